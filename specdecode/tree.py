@@ -1,0 +1,224 @@
+"""The draft tree: what every speculative method hands the verifier.
+
+Terms used throughout specdecode:
+
+- *root*: the last token already decided but not yet in the KV cache. It is index 0 of the
+  verification forward pass.
+- *node*: one draft token. The forward input is `[root] + tokens`, so the N draft nodes are
+  numbered 1..N and node i sits at forward index i. Index 0 always means the root.
+- *parent*: the node (or root) whose continuation a node proposes. Nodes are stored in
+  topological order: a node's parent has a smaller index.
+- *depth*: number of edges from the root (root 0, its children 1, ...). The position id of forward
+  index i is `cache_len + depth[i]`.
+- *chain*: the tree in which node i's parent is i-1 (a single path).
+- *path*: the nodes from the root down to a leaf, root excluded.
+
+The target logits at forward index i give the distribution of the token that follows node i, so
+the verifier compares row i with the tokens of i's children.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specdecode.errors import SpecDecodeError
+
+
+@dataclass(frozen=True, eq=False)
+class DraftTree:
+    """A tree of draft tokens, in the numbering of the verification forward input.
+
+    `tokens[i-1]` and `parents[i-1]` describe node i (i = 1..N); `parents[i-1]` is in 0..i-1,
+    0 meaning the root. `draft_probs[i-1]` is the distribution node i's token was drawn from
+    (the draft's, already temperature/top-k/top-p processed, over the target's vocabulary), given
+    its context and its earlier siblings; None when the draft has no probabilities (prompt
+    lookup, lookahead, top-k picks), which the verifier treats as point masses on the tokens.
+    Siblings are tried in increasing node index, so a drafter numbers them in the order it drew
+    them. Equality is identity (tensors have no single truth value).
+    """
+
+    tokens: Tensor  # (N,) long
+    parents: Tensor  # (N,) long
+    draft_probs: Tensor | None = None  # (N, V) float
+
+    def __post_init__(self) -> None:
+        if self.tokens.dim() != 1 or self.tokens.dtype != torch.long:
+            raise ValueError(
+                f"DraftTree.tokens must be a 1-D long tensor, got {tuple(self.tokens.shape)} "
+                f"{self.tokens.dtype}"
+            )
+        if self.parents.shape != self.tokens.shape or self.parents.dtype != torch.long:
+            raise ValueError(
+                f"DraftTree.parents must be a long tensor shaped like tokens {tuple(self.tokens.shape)}, "
+                f"got {tuple(self.parents.shape)} {self.parents.dtype}"
+            )
+        if self.parents.device != self.tokens.device:
+            raise ValueError("DraftTree.tokens and DraftTree.parents are on different devices")
+        n = self.tokens.shape[0]
+        if n and bool((self.tokens < 0).any()):
+            raise ValueError("DraftTree.tokens must be non-negative token ids")
+        node = torch.arange(1, n + 1, device=self.parents.device)  # (N,)
+        if n and bool(((self.parents < 0) | (self.parents >= node)).any()):
+            raise ValueError(
+                "DraftTree.parents must satisfy 0 <= parents[i-1] < i for node i "
+                f"(topological order), got {self.parents.tolist()}"
+            )
+        if self.draft_probs is not None:
+            q = self.draft_probs
+            if q.dim() != 2 or q.shape[0] != n or q.shape[1] == 0 or not q.is_floating_point():
+                raise ValueError(
+                    f"DraftTree.draft_probs must be a float (N={n}, V) tensor, got {tuple(q.shape)} {q.dtype}"
+                )
+            if n and bool((self.tokens >= q.shape[1]).any()):
+                raise ValueError(f"DraftTree.tokens has an id >= the vocabulary size {q.shape[1]}")
+
+    # ----------------------------------------------------------------------------------------
+    # Constructors
+
+    @classmethod
+    def chain(cls, tokens: Tensor | Sequence[int], draft_probs: Tensor | None = None) -> DraftTree:
+        """A single path: node i's parent is i-1 (node 1's parent is the root)."""
+        t = torch.as_tensor(tokens, dtype=torch.long)  # (N,)
+        parents = torch.arange(t.shape[0], dtype=torch.long, device=t.device)  # (N,)
+        return cls(t, parents, draft_probs)
+
+    @classmethod
+    def empty(cls, device: torch.device | str | None = None) -> DraftTree:
+        """No draft at all: verification degenerates to one step of plain decoding."""
+        z = torch.zeros(0, dtype=torch.long, device=device)  # (0,)
+        return cls(z, z.clone())
+
+    # ----------------------------------------------------------------------------------------
+    # Structure
+
+    @property
+    def num_nodes(self) -> int:
+        """N, the number of draft tokens (the root not counted)."""
+        return int(self.tokens.shape[0])
+
+    @property
+    def vocab_size(self) -> int | None:
+        """V of `draft_probs`, or None when the draft has no probabilities."""
+        return None if self.draft_probs is None else int(self.draft_probs.shape[1])
+
+    def children(self) -> list[list[int]]:
+        """`children()[i]` lists the nodes whose parent is i (i = 0..N), in increasing order."""
+        out: list[list[int]] = [[] for _ in range(self.num_nodes + 1)]
+        for node, parent in enumerate(self.parents.tolist(), start=1):
+            out[parent].append(node)
+        return out
+
+    def paths(self) -> list[list[int]]:
+        """Root-to-leaf node lists (root excluded), one per leaf, ordered by leaf index.
+
+        The empty tree has one empty path: the root is its only leaf.
+        """
+        parents = [0, *self.parents.tolist()]
+        children = self.children()
+        out: list[list[int]] = []
+        for leaf in range(self.num_nodes + 1):
+            if children[leaf]:
+                continue
+            path: list[int] = []
+            node = leaf
+            while node != 0:
+                path.append(node)
+                node = parents[node]
+            out.append(path[::-1])
+        return out
+
+    def _ancestor_steps(self) -> Tensor:
+        """(N+1, N+1) bool: [i, j] iff j is i or one of its ancestors (root included)."""
+        n = self.num_nodes
+        device = self.parents.device
+        # parent of every forward index; the root is its own parent so walks stop there.
+        up = torch.cat([torch.zeros(1, dtype=torch.long, device=device), self.parents])  # (N+1,)
+        rows = torch.arange(n + 1, device=device)  # (N+1,)
+        mask = torch.eye(n + 1, dtype=torch.bool, device=device)  # (N+1, N+1)
+        cur = rows  # (N+1,) the ancestor reached so far by each index
+        # One vectorized step per tree level: climb every node at once until all reach the root.
+        while bool((cur != 0).any()):
+            cur = up[cur]
+            mask[rows, cur] = True
+        return mask
+
+    def ancestor_mask(self) -> Tensor:
+        """Tree-attention mask among the new tokens: (N+1, N+1) bool.
+
+        `[i, j]` is True iff forward index j is i itself or an ancestor of i (the root, index 0,
+        is an ancestor of every node). Every index also attends to the whole KV cache; that part
+        is not included here.
+        """
+        return self._ancestor_steps()  # (N+1, N+1)
+
+    def depths(self) -> Tensor:
+        """(N+1,) long: depth of every forward index, the root 0."""
+        return self._ancestor_steps().sum(dim=1) - 1  # (N+1,)
+
+    @staticmethod
+    def from_choices(choices: Sequence[Sequence[int]]) -> TreeShape:
+        """Same as the module function `from_choices` (the Medusa tree shape, no tokens yet)."""
+        return from_choices(choices)
+
+
+@dataclass(frozen=True, eq=False)
+class TreeShape:
+    """The shape of a Medusa-style tree, before any token is known.
+
+    Built by `from_choices`. For node i (1..N, forward numbering): `parents[i-1]` as in
+    `DraftTree`; `depths[i-1]` >= 1; `topk[i-1]` is the rank of its token among the candidates
+    proposed for depth `depths[i-1]` (Medusa head `depths[i-1] - 1`, 0 = most likely). `choices`
+    holds each node's full index path, in node order.
+    """
+
+    parents: Tensor  # (N,) long
+    depths: Tensor  # (N,) long
+    topk: Tensor  # (N,) long
+    choices: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_nodes(self) -> int:
+        """N, the number of draft nodes."""
+        return int(self.parents.shape[0])
+
+    def build(self, tokens: Tensor, draft_probs: Tensor | None = None) -> DraftTree:
+        """The `DraftTree` with this shape and the given node tokens.
+
+        `tokens` is (N,) long; typically `topk_tokens[depths - 1, topk]` where `topk_tokens` is
+        (D, K) holding the K best tokens of each of the D heads.
+        """
+        parents = self.parents.to(tokens.device)  # (N,)
+        return DraftTree(tokens, parents, draft_probs)
+
+
+def from_choices(choices: Sequence[Sequence[int]]) -> TreeShape:
+    """Build the tree shape described by Medusa-style `medusa_choices`.
+
+    Each choice is a path of top-k ranks: `[1, 0]` is "the second candidate at depth 1, then the
+    first candidate at depth 2 after it". Both the "all candidates" form (every node listed) and
+    the "leaf paths only" form are accepted and give identical trees: missing prefixes are added
+    and duplicates dropped. Nodes are sorted by (depth, choice) so every parent precedes its
+    children. An empty `choices` gives the empty tree.
+    """
+    nodes: set[tuple[int, ...]] = set()
+    for choice in choices:
+        path = tuple(choice)
+        if not path:
+            raise SpecDecodeError("a tree choice is empty; the root is implicit, list only draft nodes")
+        if any(not isinstance(k, int) or isinstance(k, bool) or k < 0 for k in path):
+            raise SpecDecodeError(f"tree choice {list(path)} must hold non-negative integer top-k ranks")
+        for length in range(1, len(path) + 1):
+            nodes.add(path[:length])
+    ordered = sorted(nodes, key=lambda p: (len(p), p))
+    index = {path: i for i, path in enumerate(ordered, start=1)}
+    parents = [index[p[:-1]] if len(p) > 1 else 0 for p in ordered]
+    return TreeShape(
+        parents=torch.tensor(parents, dtype=torch.long),  # (N,)
+        depths=torch.tensor([len(p) for p in ordered], dtype=torch.long),  # (N,)
+        topk=torch.tensor([p[-1] for p in ordered], dtype=torch.long),  # (N,)
+        choices=tuple(ordered),
+    )
