@@ -62,6 +62,12 @@ class ModelConfig:
         arch = SUPPORTED_ARCHS[model_type]
         num_heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
+        # transformers >= 5 nests rotary settings in `rope_parameters`; older files use
+        # `rope_theta` and `rope_scaling` at the top level.
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_scaling = None if rope_type == "default" else rope
         return cls(
             arch=arch,
             vocab_size=hf["vocab_size"],
@@ -73,8 +79,8 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or hidden // num_heads,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=hf.get("rope_theta", 10000.0),
-            rope_scaling=hf.get("rope_scaling"),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=hf.get("attention_bias", arch == "qwen2"),
             bos_token_id=hf.get("bos_token_id"),

@@ -1,0 +1,71 @@
+"""Key/value cache with rollback and compaction as bookkeeping.
+
+The cache is one preallocated tensor per kind (keys, values) for all layers. `length` counts the
+valid slots; a forward writes its new tokens at slots `length .. length+T-1` and advances it.
+Speculative decoding then either forgets rejected tokens (`rollback`, O(1): only `length` moves)
+or keeps a tree's accepted path (`compact`: the chosen slots are moved into place, one gather).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.config import ModelConfig
+
+
+class KVCache:
+    """Static per-sequence cache: `k`, `v` are (L, B, H_kv, S_max, D); `length` slots are valid."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_len: int,
+        batch_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0
+
+    def reserve(self, num_new: int) -> int:
+        """Check that `num_new` more slots fit; returns the first new slot."""
+        if self.length + num_new > self.max_len:
+            raise SpecDecodeError(
+                f"sequence of {self.length + num_new} tokens exceeds the cache size {self.max_len}"
+            )
+        return self.length
+
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new keys/values (B, H_kv, T, D) at `start` and return the layer's valid prefix
+        (B, H_kv, start+T, D) for attention. `length` is advanced by the model, once per forward."""
+        end = start + k.shape[2]
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def rollback(self, n: int) -> None:
+        """Forget the newest `n` tokens."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot roll back {n} of {self.length} cached tokens")
+        self.length -= n
+
+    def truncate(self, length: int) -> None:
+        """Keep only the first `length` tokens."""
+        self.rollback(self.length - length)
+
+    def compact(self, start: int, keep: torch.Tensor | list[int]) -> None:
+        """Keep the slots `start + keep[i]` (a tree's accepted path, in order) at `start + i` and
+        forget every slot after them. `keep` holds offsets relative to `start`, increasing."""
+        keep_t = torch.as_tensor(keep, dtype=torch.long, device=self.k.device)  # (M,)
+        m = int(keep_t.numel())
+        if m and not torch.equal(keep_t, torch.arange(m, device=keep_t.device)):
+            src = keep_t + start
+            self.k[:, :, :, start : start + m] = self.k.index_select(3, src)
+            self.v[:, :, :, start : start + m] = self.v.index_select(3, src)
+        self.length = start + m

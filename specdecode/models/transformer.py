@@ -1,0 +1,257 @@
+"""The one decoder-only transformer: Llama (SmolLM2, Mistral-style, Vicuna) and Qwen2 by config.
+
+The forward takes token ids, their positions and an explicit attention mask over the cache slots,
+so the new tokens may be a causal chain (prefill, plain decoding) or any tree over the cached
+prefix (speculative verification). It returns hidden states; `logits` applies the final norm's
+output to the LM head separately, so drafter heads can reuse both the features and the head.
+
+Weights are held fused (q|k|v in one matrix, gate|up in another): fewer, larger matmuls, which is
+what a small model on a CPU or a GPU at batch 1 is bound by.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdecode.errors import SpecDecodeError
+from specdecode.kv_cache import KVCache
+from specdecode.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the weights' dtype, as the reference implementations do.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies (D/2,), with Llama-3 style scaling when the config asks for it."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv_freq
+    if kind != "llama3":
+        raise SpecDecodeError(f"unsupported rope_scaling type {kind!r} (supported: default, llama3)")
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_mid, mid, scaled)
+
+
+class Rotary(nn.Module):
+    """Precomputed cos/sin tables (max_pos, D), indexed by each token's position."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        freqs = torch.outer(torch.arange(config.max_position_embeddings).float(), rope_inv_freq(config))
+        emb = torch.cat([freqs, freqs], dim=-1)  # (max_pos, D)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions (B, T) -> cos, sin (B, 1, T, D), broadcast over heads
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x (B, H, T, D): rotate the two halves of each head
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Block(nn.Module):
+    """Pre-norm attention + SwiGLU MLP."""
+
+    def __init__(self, config: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.n_heads, self.n_kv, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.split = (q_dim, kv_dim, kv_dim)
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.qkv = nn.Linear(config.hidden_size, q_dim + 2 * kv_dim, bias=config.attention_bias)
+        self.o = nn.Linear(q_dim, config.hidden_size, bias=False)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, C)
+        cos: torch.Tensor,  # (B, 1, T, D)
+        sin: torch.Tensor,  # (B, 1, T, D)
+        cache: KVCache,
+        start: int,
+        mask: torch.Tensor | None,  # (T, start+T) bool, True = attend; None = causal chain
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).split(self.split, dim=-1)
+        q = apply_rotary(q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
+        k = apply_rotary(k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2), cos, sin)
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        keys, values = cache.write(self.index, k, v, start)  # (B, H_kv, start+T, D)
+        gqa = self.n_kv != self.n_heads
+        if mask is None and t > 1 and start == 0:
+            att = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
+        else:
+            if mask is None and t > 1:
+                mask = causal_mask(start, t, x.device)
+            att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+        x = x + self.o(att.transpose(1, 2).reshape(b, t, -1))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+def causal_mask(start: int, t: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(T, start+T) bool: new token i sees the cached prefix and new tokens 0..i."""
+    cols = torch.arange(start + t, device=device)
+    rows = torch.arange(t, device=device).unsqueeze(1) + start
+    return cols <= rows
+
+
+def tree_mask(start: int, ancestors: torch.Tensor) -> torch.Tensor:
+    """(T, start+T) bool from a tree's (T, T) ancestor-or-self mask: every new token sees the whole
+    cached prefix, and among the new tokens only its own root-to-node path."""
+    t = ancestors.shape[0]
+    prefix = torch.ones(t, start, dtype=torch.bool, device=ancestors.device)
+    return torch.cat([prefix, ancestors.bool()], dim=1)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.rotary = Rotary(config)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def new_cache(self, max_len: int, batch_size: int = 1) -> KVCache:
+        max_len = min(max_len, self.config.max_position_embeddings)
+        return KVCache(self.config, max_len, batch_size, self.dtype, self.device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (B, T) long
+        positions: torch.Tensor,  # (B, T) long
+        cache: KVCache,
+        mask: torch.Tensor | None = None,  # (T, cache.length+T) bool; None = causal chain
+    ) -> torch.Tensor:
+        """Run new tokens over the cached prefix, append their keys/values to the cache, and return
+        their final hidden states (B, T, C), after the last norm."""
+        t = input_ids.shape[1]
+        start = cache.reserve(t)
+        cos, sin = self.rotary(positions, self.dtype)
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, start, mask)
+        cache.length = start + t
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., C) hidden states -> (..., V) float32 logits."""
+        return self.lm_head(hidden).float()
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> None:
+        """Load weights named as in Hugging Face Llama/Qwen2 checkpoints, fusing q|k|v and gate|up."""
+        cfg = self.config
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                return hf[name]
+            except KeyError:
+                raise SpecDecodeError(f"checkpoint is missing weight {name!r}") from None
+
+        ours: dict[str, torch.Tensor] = {
+            "embed.weight": take("model.embed_tokens.weight"),
+            "norm.weight": take("model.norm.weight"),
+        }
+        if not cfg.tie_word_embeddings:
+            ours["lm_head.weight"] = hf.get("lm_head.weight", ours["embed.weight"])
+        for i in range(cfg.num_layers):
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            ours[f"layers.{i}.attn_norm.weight"] = take(p + "input_layernorm.weight")
+            ours[f"layers.{i}.mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
+            ours[f"layers.{i}.qkv.weight"] = torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"])
+            if cfg.attention_bias:
+                ours[f"layers.{i}.qkv.bias"] = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
+            ours[f"layers.{i}.o.weight"] = take(a + "o_proj.weight")
+            ours[f"layers.{i}.gate_up.weight"] = torch.cat(
+                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+            )
+            ours[f"layers.{i}.down.weight"] = take(p + "mlp.down_proj.weight")
+        expected = {k for k in self.state_dict() if not k.startswith("rotary.")}
+        if cfg.tie_word_embeddings:
+            expected.discard("lm_head.weight")
+        for name, tensor in ours.items():
+            param = self.get_parameter(name)
+            if param.shape != tensor.shape:
+                raise SpecDecodeError(
+                    f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                )
+        missing = expected - ours.keys()
+        if missing:
+            raise SpecDecodeError(f"checkpoint is missing weights: {sorted(missing)[:3]}")
+        with torch.no_grad():
+            for name, tensor in ours.items():
+                self.get_parameter(name).copy_(tensor)
+
+    @classmethod
+    def from_dir(
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> Transformer:
+        """Load a Hugging Face model directory (config.json + *.safetensors)."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        config = ModelConfig.from_dir(path)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise SpecDecodeError(f"{path} has no .safetensors weights")
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to_empty(device=device).to(dtype)
+        model.rotary = Rotary(config).to(device)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.embed.weight
+        hf: dict[str, torch.Tensor] = {}
+        for f in files:
+            try:
+                hf.update(load_file(f, device=str(device)))
+            except Exception as exc:  # safetensors raises several types for a damaged file
+                raise SpecDecodeError(f"cannot read weights {f}: {exc}") from None
+        model.load_hf_state_dict(hf)
+        return model.eval()

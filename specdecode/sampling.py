@@ -1,0 +1,71 @@
+"""Sampling settings and the logits -> probabilities transform they define.
+
+The transform (temperature, then top-k, then top-p) defines the *target distribution* that
+lossless speculative sampling must reproduce; temperature 0 means greedy (argmax) decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdecode.errors import SpecDecodeError
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings, with the defaults and meanings vLLM users expect.
+
+    temperature 0 is greedy; top_k -1 (or 0) and top_p 1 disable those filters; `stop` strings end
+    the output before the string; `stop_token_ids` end it after the token (as end-of-sequence does
+    unless `ignore_eos`); `seed` makes sampling reproducible per request.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise SpecDecodeError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not self.temperature >= 0:  # also rejects NaN
+            raise SpecDecodeError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise SpecDecodeError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise SpecDecodeError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
+        if any(not s for s in self.stop):
+            raise SpecDecodeError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(..., V) logits -> (..., V) float32 probabilities of the target distribution (not for greedy)."""
+    logits = logits.float() / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already cover top_p; the first always stays
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Draw one token from a (V,) distribution."""
+    return int(torch.multinomial(probs, 1, generator=generator))
