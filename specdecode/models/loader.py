@@ -1,0 +1,85 @@
+"""Turn whatever names a model (short name, GGUF file, model directory, hub id) into one local directory.
+
+Everything downstream reads only the canonical Hugging Face directory, so this is the single place
+that knows about the other forms. Every failure is a one-line `SpecDecodeError`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.config import ModelConfig
+from specdecode.models.gguf import GGUF_MAGIC, load_gguf
+from specdecode.models.registry import REGISTRY, fetch
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
+
+
+def _is_gguf(path: Path) -> bool:
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def check_model_dir(path: Path) -> Path:
+    """Check that `path` is a Hugging Face model directory specdecode can load, and return it."""
+    if not (path / "config.json").is_file():
+        raise SpecDecodeError(f"{path} is not a model directory: it has no config.json")
+    ModelConfig.from_dir(path)  # unsupported architectures fail here, not deep inside the model code
+    if any(path.glob("*.safetensors")):
+        return path
+    if any(path.glob("pytorch_model*.bin")):
+        raise SpecDecodeError(
+            f"{path} has only pytorch_model.bin weights; specdecode needs safetensors "
+            "(re-save it with transformers: model.save_pretrained(dir, safe_serialization=True))"
+        )
+    raise SpecDecodeError(f"{path} has no model weights (no *.safetensors file)")
+
+
+def _from_hub(repo_id: str) -> Path | None:
+    """The downloaded snapshot of a hub repo, or None when there is no hub client or no network."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        return None
+    try:
+        local = snapshot_download(repo_id=repo_id, allow_patterns=_HUB_PATTERNS)
+    except Exception:
+        return None
+    return Path(local)
+
+
+def resolve_model(name_or_path: str, progress: bool = True) -> Path:
+    """The canonical model directory for a short name, a `.gguf` file, a model directory or a hub id."""
+    name = str(name_or_path).strip()
+    if not name:
+        raise SpecDecodeError("no model given")
+    if name in REGISTRY:
+        return load_gguf(fetch(name, progress=progress), progress=progress)
+    path = Path(name).expanduser()
+    if path.is_file():
+        if _is_gguf(path):
+            return load_gguf(path, progress=progress)
+        raise SpecDecodeError(f"{path} is neither a .gguf file nor a model directory")
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").is_file() and len(ggufs) == 1:
+            return load_gguf(ggufs[0], progress=progress)
+        return check_model_dir(path)
+    if path.suffix.lower() == ".gguf" or name.startswith(("/", "./", "../", "~")):
+        raise SpecDecodeError(f"no such file or directory: {name}")
+    if _HUB_ID.fullmatch(name):
+        local = _from_hub(name)
+        if local is not None:
+            return check_model_dir(local)
+    raise SpecDecodeError(
+        f"unknown model {name!r}: not a known name ({', '.join(REGISTRY)}), a file, a directory, "
+        "or a reachable hub id"
+    )
