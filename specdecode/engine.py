@@ -9,15 +9,17 @@ prompt without its last token, and plain decoding is simply a step with an empty
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
+from specdecode.drafters.base import Drafter, Proposal, StepResult
 from specdecode.errors import SpecDecodeError
 from specdecode.kv_cache import KVCache
-from specdecode.models.transformer import Transformer
+from specdecode.models.transformer import Transformer, tree_mask
 from specdecode.outputs import SpecStats, Timing
 from specdecode.sampling import SamplingParams, logits_to_probs, sample
+from specdecode.verify import verify_greedy, verify_sampling
 
 PREFILL_CHUNK = 512  # prompt tokens per forward: bounds the attention scores' memory
 
@@ -31,7 +33,7 @@ class Request:
         prompt_ids: list[int],
         params: SamplingParams,
         eos_token_ids: list[int],
-        reserve: int = 0,
+        drafter: Drafter | None = None,
     ) -> None:
         context = model.config.max_position_embeddings
         if not prompt_ids:
@@ -47,13 +49,16 @@ class Request:
         self.output_ids: list[int] = []
         self.params = params
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self.drafter = drafter
         # Room for every token this request may produce, plus the widest draft a step may verify.
+        reserve = drafter.max_nodes + 1 if drafter is not None else 0
         self.max_len = min(len(prompt_ids) + params.max_tokens + reserve, context)
         self.cache: KVCache = model.new_cache(self.max_len)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator(device=model.device).manual_seed(params.seed)
         self.stats = SpecStats()
+        self.timing = Timing()
         self.finish_reason: str | None = None
 
     @property
@@ -87,53 +92,84 @@ class Engine:
         self.model = model
 
     @torch.inference_mode()
-    def prefill(self, req: Request) -> None:
-        """Cache the prompt except its last token (the first root)."""
+    def prefill(self, req: Request) -> torch.Tensor:
+        """Cache the prompt except its last token (the first root); returns its hidden states (P-1, C)."""
         ids = req.prompt_ids[:-1]
         device = self.model.device
+        hidden = [torch.empty(0, self.model.config.hidden_size, dtype=self.model.dtype, device=device)]
         for s in range(0, len(ids), PREFILL_CHUNK):
             chunk = torch.tensor([ids[s : s + PREFILL_CHUNK]], device=device)  # (1, T)
             positions = torch.arange(s, s + chunk.shape[1], device=device)[None]  # (1, T)
-            self.model(chunk, positions, req.cache)
+            hidden.append(self.model(chunk, positions, req.cache)[0])
+        return torch.cat(hidden)
 
     @torch.inference_mode()
-    def step(self, req: Request) -> list[int]:
-        """One target forward over the root; returns the emitted token(s)."""
-        cache = req.cache
-        start = cache.length
+    def step(self, req: Request) -> tuple[list[int], StepResult | None]:
+        """One target forward over the root and the drafter's proposal (if any).
+
+        Returns the emitted tokens and, for a speculative step, what the drafter should observe."""
+        proposal = req.drafter.propose(req) if req.drafter is not None else None
+        if proposal is None or proposal.tree.num_nodes + proposal.num_side == 0:
+            return self._plain_step(req), None
+        return self._speculative_step(req, proposal)
+
+    def _plain_step(self, req: Request) -> list[int]:
+        start = req.cache.length
         ids = torch.tensor([[req.root]], device=self.model.device)  # (1, 1)
         positions = torch.tensor([[start]], device=self.model.device)  # (1, 1)
-        logits = self.model.logits(self.model(ids, positions, cache)[0, -1])  # (V,)
+        logits = self.model.logits(self.model(ids, positions, req.cache)[0, -1])  # (V,)
         if req.params.greedy:
             token = int(logits.argmax())
         else:
             token = sample(logits_to_probs(logits, req.params), req.generator)
-        req.stats.record_step(max_depth=0, num_draft=0, num_accepted=0, num_emitted=1)
         return [token]
 
-    def generate(
-        self, req: Request, on_prefill: Callable[[float], None] | None = None
-    ) -> Iterator[list[int]]:
-        """Run `req` to completion, yielding the tokens each step adds."""
+    def _speculative_step(self, req: Request, proposal: Proposal) -> tuple[list[int], StepResult]:
+        device = self.model.device
+        tree = proposal.tree.to(device)
+        n, m = tree.num_nodes, proposal.num_side
+        start = req.cache.length
+        depths = tree.depths()  # (N+1,)
+        ids = torch.cat([torch.tensor([req.root], device=device), tree.tokens])  # (N+1,)
+        among_new = torch.zeros(n + 1 + m, n + 1 + m, dtype=torch.bool, device=device)
+        among_new[: n + 1, : n + 1] = tree.ancestor_mask()
+        if m:
+            assert proposal.side_tokens is not None and proposal.side_depths is not None
+            assert proposal.side_mask is not None
+            ids = torch.cat([ids, proposal.side_tokens.to(device)])
+            depths = torch.cat([depths, proposal.side_depths.to(device)])
+            among_new[n + 1 :] = proposal.side_mask.to(device)
+        hidden = self.model(ids[None], (start + depths)[None], req.cache, tree_mask(start, among_new))[0]
+        logits = self.model.logits(hidden)  # (N+1+M, V)
+        if req.params.greedy:
+            verdict = verify_greedy(tree, logits[: n + 1])
+        else:
+            probs = logits_to_probs(logits[: n + 1], req.params)
+            verdict = verify_sampling(tree, probs, req.generator)
+        req.cache.compact(start, verdict.kept_indices)
+        max_depth = int(depths[: n + 1].max())
+        return verdict.tokens, StepResult(verdict, hidden, logits[n + 1 :] if m else None, n, max_depth)
+
+    def generate(self, req: Request) -> Iterator[list[int]]:
+        """Run `req` until it finishes (or the caller stops iterating and sets `finish_reason`),
+        yielding the tokens each step adds; fills `req.timing`."""
         t0 = time.perf_counter()
-        self.prefill(req)
-        if on_prefill is not None:
-            on_prefill(time.perf_counter() - t0)
+        prompt_hidden = self.prefill(req)
+        if req.drafter is not None:
+            req.drafter.begin(req, prompt_hidden)
+        req.timing.prefill_s = time.perf_counter() - t0
         while req.finish_reason is None:
-            yield req.append(self.step(req))
-
-
-def run_to_completion(engine: Engine, req: Request) -> Timing:
-    """Drive `engine.generate` without streaming and time it."""
-    timing = Timing()
-    t0 = time.perf_counter()
-
-    def note_prefill(seconds: float) -> None:
-        timing.prefill_s = seconds
-
-    for _ in engine.generate(req, note_prefill):
-        if not timing.first_token_s:
-            timing.first_token_s = time.perf_counter() - t0
-    timing.total_s = time.perf_counter() - t0
-    timing.num_tokens = len(req.output_ids)
-    return timing
+            emitted, result = self.step(req)
+            tokens = req.append(emitted)
+            if result is None:
+                req.stats.record_step(0, 0, 0, len(tokens))
+            else:
+                accepted = min(result.verdict.num_draft_accepted, len(tokens))
+                req.stats.record_step(result.max_depth, result.num_draft, accepted, len(tokens))
+            if result is not None and req.finish_reason is None:
+                req.drafter.observe(req, result)  # type: ignore[union-attr]
+            now = time.perf_counter() - t0
+            req.timing.first_token_s = req.timing.first_token_s or now
+            req.timing.total_s = now
+            req.timing.num_tokens = len(req.output_ids)
+            yield tokens

@@ -95,6 +95,13 @@ class DraftTree:
     # ----------------------------------------------------------------------------------------
     # Structure
 
+    def to(self, device: torch.device | str) -> DraftTree:
+        """The same tree on `device` (itself when already there)."""
+        if self.tokens.device == torch.device(device):
+            return self
+        probs = None if self.draft_probs is None else self.draft_probs.to(device)
+        return DraftTree(self.tokens.to(device), self.parents.to(device), probs)
+
     @property
     def num_nodes(self) -> int:
         """N, the number of draft tokens (the root not counted)."""

@@ -1,0 +1,138 @@
+"""Command line: `specdecode generate | models list | models fetch`.
+
+Bad input is reported as one line on stderr (`specdecode: error: ...`) with exit status 2,
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from specdecode.errors import SpecDecodeError
+
+if TYPE_CHECKING:  # the heavy imports (torch) wait until a command needs them
+    from specdecode.sampling import SamplingParams
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="short name, .gguf file, HF directory or hub id")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA when available)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0, as vLLM)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    from specdecode.sampling import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from specdecode.llm import LLM
+
+    params = sampling_params(args)  # validate before the (slow) model load
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
+    prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    if args.stream and not args.json:
+        for delta in llm.stream(prompt, params):
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        return
+    out = llm.generate([prompt], params)[0]
+    if args.json:
+        record = out.as_dict()
+        record["prompt"] = args.prompt
+        record["model"] = args.model
+        print(json.dumps(record, ensure_ascii=False))
+    else:
+        print(out.text)
+
+
+def cmd_models_list(args: argparse.Namespace) -> None:
+    from specdecode.models.registry import list_models
+
+    for info in list_models():
+        state = "fetched" if info.fetched else "not fetched"
+        print(f"{info.name:<22} {info.size / 1e6:>8.1f} MB  {state:<12} {info.description}")
+
+
+def cmd_models_fetch(args: argparse.Namespace) -> None:
+    from specdecode.models.loader import resolve_model
+
+    for name in args.names:
+        print(resolve_model(name, progress=True))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    add_model_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_sampling_args(gen)
+    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    gen.add_argument("--json", action="store_true", help="print text, token ids, timing and stats as JSON")
+    gen.set_defaults(func=cmd_generate)
+
+    models = sub.add_parser("models", help="list or fetch the models known by short name")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    msub.add_parser("list", help="known short names").set_defaults(func=cmd_models_list)
+    fetch = msub.add_parser("fetch", help="download, check and convert a model")
+    fetch.add_argument("names", nargs="+", metavar="NAME")
+    fetch.set_defaults(func=cmd_models_fetch)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], None] = args.func
+    try:
+        func(args)
+    except SpecDecodeError as exc:
+        print(f"specdecode: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specdecode: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

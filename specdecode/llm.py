@@ -1,0 +1,202 @@
+"""The Python API: `LLM(model=...)`, `generate`, `stream`, `chat`.
+
+from specdecode import LLM, SamplingParams
+llm = LLM(model="smollm2-135m", dtype="float32")
+outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
+print(outs[0].text, outs[0].token_ids)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from specdecode.engine import Engine, Request
+from specdecode.errors import SpecDecodeError
+from specdecode.models.loader import resolve_model
+from specdecode.models.tokenizer import Tokenizer
+from specdecode.models.transformer import Transformer
+from specdecode.outputs import RequestOutput
+from specdecode.sampling import SamplingParams
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+        raise SpecDecodeError(f"unsupported dtype {dtype}: use float32 or bfloat16")
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise SpecDecodeError(f"unsupported dtype {dtype!r}: use float32 or bfloat16") from None
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """`None`/"auto": CUDA when there is one, else CPU."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise SpecDecodeError(f"unknown device {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SpecDecodeError(f"device {device!r} requested but no CUDA GPU is available")
+    return dev
+
+
+class TextStream:
+    """Turns a growing list of token ids into text deltas, ending the text before a stop string.
+
+    Text is released only when it cannot change any more: a trailing incomplete UTF-8 sequence
+    (decoded as U+FFFD) and any tail that could be the start of a stop string are held back.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""  # the whole text so far, after any stop cut
+        self.sent = 0  # characters of `text` already released
+        self.stopped = False
+
+    def update(self, token_ids: list[int], final: bool) -> str:
+        """Decode all tokens so far; return the newly releasable text."""
+        if self.stopped:
+            return ""
+        text = self.tokenizer.decode(token_ids)
+        for s in self.stop:
+            at = text.find(s, max(0, self.sent - len(s)))
+            if at != -1:
+                text, final, self.stopped = text[:at], True, True
+        self.text = text
+        if final:
+            ready = len(text)
+        else:
+            ready = len(text) - self.hold
+            if text.endswith("\ufffd"):
+                ready = min(ready, len(text.rstrip("\ufffd")))
+        if ready <= self.sent:
+            return ""
+        delta, self.sent = text[self.sent : ready], ready
+        return delta
+
+
+class LLM:
+    """A target model ready to generate: weights, tokenizer and the decoding engine.
+
+    `model` is a short name (`specdecode models list`), a `.gguf` file, a Hugging Face model
+    directory, or a hub id where a network exists. `dtype` is float32 or bfloat16; `device`
+    defaults to CUDA when available, else CPU.
+    """
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        dtype: str | torch.dtype = "float32",
+        device: str | None = None,
+        num_threads: int | None = None,
+        progress: bool = True,
+    ) -> None:
+        if num_threads is not None:
+            if num_threads < 1:
+                raise SpecDecodeError(f"num_threads must be >= 1, got {num_threads}")
+            torch.set_num_threads(num_threads)
+        self.model_name = model
+        path = resolve_model(model, progress=progress)
+        self.tokenizer = Tokenizer.from_dir(path)
+        self.model = Transformer.from_dir(path, dtype=resolve_dtype(dtype), device=resolve_device(device))
+        self.engine = Engine(self.model)
+
+    # ---- prompts -------------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise SpecDecodeError("a prompt must be a string or a list of token ids")
+
+    def _request(self, prompt: Prompt, params: SamplingParams) -> Request:
+        return Request(self.model, self._prompt_ids(prompt), params, self.tokenizer.eos_token_ids)
+
+    # ---- generation ----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (a string, or a list of token ids used as given) in order."""
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        outputs: list[RequestOutput] = []
+        if use_tqdm:
+            from tqdm import tqdm
+
+            prompts = tqdm(prompts, desc="generate", unit="prompt")
+        for prompt in prompts:
+            outputs.append(self._run(prompt, params))
+        return outputs
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of one generation piece by piece as it is produced."""
+        req = self._request(prompt, params or SamplingParams())
+        stream = TextStream(self.tokenizer, req.params.stop)
+        for _ in self.engine.generate(req):
+            delta = stream.update(req.output_ids, final=req.finish_reason is not None)
+            if stream.stopped:
+                req.finish_reason = "stop"
+            if delta:
+                yield delta
+            if stream.stopped:
+                return
+
+    def chat(
+        self,
+        messages: list[Message] | Sequence[list[Message]],
+        params: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or several) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.chat_prompt(conv) for conv in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, params)
+
+    def chat_prompt(self, messages: list[Message]) -> list[int]:
+        """Token ids of a conversation rendered with the chat template, ready for the reply."""
+        if not messages:
+            raise SpecDecodeError("messages must not be empty")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        assert isinstance(ids, list)
+        return ids
+
+    def _run(self, prompt: Prompt, params: SamplingParams) -> RequestOutput:
+        req = self._request(prompt, params)
+        stream = TextStream(self.tokenizer, params.stop)
+        for _ in self.engine.generate(req):
+            if params.stop:
+                stream.update(req.output_ids, final=False)
+                if stream.stopped:  # ends the engine's loop before its next step
+                    req.finish_reason = "stop"
+        stream.update(req.output_ids, final=True)
+        return RequestOutput(
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=req.prompt_ids,
+            text=stream.text,
+            token_ids=req.output_ids,
+            finish_reason=req.finish_reason or "length",
+            stats=req.stats,
+            timing=req.timing,
+        )

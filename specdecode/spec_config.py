@@ -1,0 +1,147 @@
+"""Typed speculative-decoding settings, validated in one place.
+
+Users pass a dictionary (`{"method": "prompt_lookup", ...}`) to the API, a JSON string to the
+server, or flags to the CLI; `parse_speculative` turns each into one of the frozen dataclasses
+below, or raises a `SpecDecodeError` that names the offending setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from specdecode.errors import SpecDecodeError
+
+
+def _positive(method: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecDecodeError(f"{method}: {name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DraftModelConfig:
+    """A smaller model with the target's vocabulary drafts `num_draft_tokens` tokens a step.
+
+    `use_draft_logits`: verify by rejection sampling with the draft's distribution (on) or by
+    matching the draft's tokens as point masses (off). Greedy decoding is token matching either way.
+    """
+
+    method: ClassVar[str] = "draft_model"
+    draft_model: str
+    num_draft_tokens: int = 4
+    use_draft_logits: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.draft_model, str) or not self.draft_model:
+            raise SpecDecodeError("draft_model: draft_model must name a model (short name or path)")
+        _positive(self.method, "num_draft_tokens", self.num_draft_tokens)
+        if not isinstance(self.use_draft_logits, bool):
+            raise SpecDecodeError(
+                f"draft_model: use_draft_logits must be true or false, got {self.use_draft_logits!r}"
+            )
+
+
+@dataclass(frozen=True)
+class PromptLookupConfig:
+    """Draft by copying what followed the most recent earlier occurrence of the last n-gram.
+
+    With `draft_model` set, the draft model drafts whenever lookup finds no match.
+    """
+
+    method: ClassVar[str] = "prompt_lookup"
+    prompt_lookup_num_tokens: int = 4
+    max_matching_ngram_size: int = 2
+    draft_model: str | None = None
+    num_draft_tokens: int = 4
+    use_draft_logits: bool = True
+
+    def __post_init__(self) -> None:
+        _positive(self.method, "prompt_lookup_num_tokens", self.prompt_lookup_num_tokens)
+        _positive(self.method, "max_matching_ngram_size", self.max_matching_ngram_size)
+        _positive(self.method, "num_draft_tokens", self.num_draft_tokens)
+        if self.draft_model is not None and (not isinstance(self.draft_model, str) or not self.draft_model):
+            raise SpecDecodeError("prompt_lookup: draft_model must name a model (short name or path)")
+
+
+@dataclass(frozen=True)
+class LookaheadConfig:
+    """Lookahead decoding with window size W, n-gram size N and verification set size G.
+
+    (1, 1, 0) means plain decoding. `max_draft_len` is the number of draft slots the engine
+    reserves per step for this configuration, as TensorRT-LLM defines it.
+    """
+
+    method: ClassVar[str] = "lookahead"
+    window_size: int = 4
+    ngram_size: int = 3
+    verification_set_size: int = 4
+
+    def __post_init__(self) -> None:
+        w, n, g = self.window_size, self.ngram_size, self.verification_set_size
+        _positive(self.method, "window_size", w)
+        _positive(self.method, "ngram_size", n)
+        if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+            raise SpecDecodeError(f"lookahead: verification_set_size must be an integer >= 0, got {g!r}")
+        if n == 1 and (w, g) != (1, 0):
+            raise SpecDecodeError("lookahead: ngram_size 1 is only valid as (1, 1, 0), plain decoding")
+
+    @property
+    def is_plain(self) -> bool:
+        return (self.window_size, self.ngram_size, self.verification_set_size) == (1, 1, 0)
+
+    @property
+    def max_draft_len(self) -> int:
+        w, n, g = self.window_size, self.ngram_size, self.verification_set_size
+        return (0 if n == 1 else n - 2) + (w - 1 + g) * (n - 1)
+
+    def check_within(self, engine: LookaheadConfig) -> None:
+        """A request's (w, n, g) must fit the engine's (W, N, G)."""
+        mine = (self.window_size, self.ngram_size, self.verification_set_size)
+        limit = (engine.window_size, engine.ngram_size, engine.verification_set_size)
+        if self.is_plain:
+            return
+        if any(a > b for a, b in zip(mine, limit, strict=True)):
+            raise SpecDecodeError(
+                f"lookahead: request (W, N, G) = {mine} exceeds the engine's configured {limit}"
+            )
+
+
+SpecConfig = DraftModelConfig | PromptLookupConfig | LookaheadConfig
+METHODS: dict[str, type[SpecConfig]] = {
+    cls.method: cls for cls in (DraftModelConfig, PromptLookupConfig, LookaheadConfig)
+}
+ALIASES = {"max_draft_len": "num_draft_tokens"}
+
+
+def parse_speculative(spec: SpecConfig | dict[str, Any] | None) -> SpecConfig | None:
+    """A validated config from a user's dictionary; None (or method "none") means plain decoding."""
+    if spec is None or isinstance(spec, tuple(METHODS.values())):
+        return spec  # type: ignore[return-value]
+    if not isinstance(spec, dict):
+        raise SpecDecodeError(f"speculative settings must be a dictionary, got {type(spec).__name__}")
+    options = dict(spec)
+    method = options.pop("method", None)
+    if method in (None, "none", "off"):
+        if options:
+            raise SpecDecodeError("speculative: options given without a method")
+        return None
+    if method not in METHODS:
+        raise SpecDecodeError(f"unknown speculative method {method!r}: choose one of {', '.join(METHODS)}")
+    cls = METHODS[method]
+    for alias, name in ALIASES.items():
+        if alias in options:
+            if name in options:
+                raise SpecDecodeError(f"{method}: give {name} or its alias {alias}, not both")
+            options[name] = options.pop(alias)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise SpecDecodeError(
+            f"{method}: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
+            f"(valid: {', '.join(sorted(known))})"
+        )
+    try:
+        return cls(**options)
+    except TypeError as exc:  # a required option is missing
+        raise SpecDecodeError(f"{method}: {exc}") from None
