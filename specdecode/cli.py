@@ -1,4 +1,4 @@
-"""Command line: `specdecode generate | models list | models fetch`.
+"""Command line: `specdecode generate | models list | models fetch | bench-runtime`.
 
 Bad input is reported as one line on stderr (`specdecode: error: ...`) with exit status 2,
 never a traceback.
@@ -95,6 +95,12 @@ def cmd_models_fetch(args: argparse.Namespace) -> None:
         print(resolve_model(name, progress=True))
 
 
+def cmd_bench_runtime(args: argparse.Namespace) -> None:
+    from specdecode.bench.runtime import main_args
+
+    main_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -114,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     fetch = msub.add_parser("fetch", help="download, check and convert a model")
     fetch.add_argument("names", nargs="+", metavar="NAME")
     fetch.set_defaults(func=cmd_models_fetch)
+    bench_rt = sub.add_parser("bench-runtime", help="plain decoding speed vs transformers, forward latency")
+    add_model_args(bench_rt)
+    bench_rt.add_argument("--new-tokens", type=_positive_int, default=256)
+    bench_rt.add_argument("--repeats", type=_positive_int, default=5)
+    bench_rt.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    bench_rt.set_defaults(func=cmd_bench_runtime)
     return parser
 
 

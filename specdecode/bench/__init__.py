@@ -1,0 +1,1 @@
+"""Benchmarks: each measures specdecode against a baseline in the same process and reports ratios."""

@@ -1,0 +1,135 @@
+"""Plain greedy decoding speed: specdecode vs transformers `generate`, and the forward-latency curve.
+
+Both run in this process, on the same weights (our converted directory), dtype and threads;
+runs alternate between the two so that machine noise hits both alike, and medians are reported.
+
+    specdecode bench-runtime --model smollm2-135m --new-tokens 256 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdecode.bench.timing import median_seconds
+from specdecode.llm import LLM
+from specdecode.sampling import SamplingParams
+
+PROMPT = "Write a short essay about the history of the printing press and its effect on science."
+LATENCY_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class RuntimeReport:
+    model: str
+    dtype: str
+    threads: int
+    new_tokens: int
+    ours_tok_s: list[float] = field(default_factory=list)
+    hf_tok_s: list[float] = field(default_factory=list)
+    forward_ms: dict[int, float] = field(default_factory=dict)
+    same_tokens: bool = False
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.ours_tok_s) / statistics.median(self.hf_tok_s)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "model": self.model,
+            "dtype": self.dtype,
+            "threads": self.threads,
+            "new_tokens": self.new_tokens,
+            "specdecode_tok_s_median": round(statistics.median(self.ours_tok_s), 2),
+            "transformers_tok_s_median": round(statistics.median(self.hf_tok_s), 2),
+            "speedup": round(self.ratio, 3),
+            "specdecode_tok_s_runs": [round(x, 2) for x in self.ours_tok_s],
+            "transformers_tok_s_runs": [round(x, 2) for x in self.hf_tok_s],
+            "same_tokens": self.same_tokens,
+            "forward_ms_by_new_tokens": self.forward_ms,
+        }
+
+
+def forward_latency(
+    llm: LLM, widths: tuple[int, ...], context: int = 256, repeats: int = 10
+) -> dict[int, float]:
+    """Median ms of one target forward (and LM head on every row) of T new tokens over `context`."""
+    model = llm.model
+    device = model.device
+    cache = model.new_cache(context + max(widths))
+    prefix = torch.randint(0, model.config.vocab_size, (1, context), device=device)
+    out: dict[int, float] = {}
+    with torch.inference_mode():
+        model(prefix, torch.arange(context, device=device)[None], cache)
+        for t in widths:
+            ids = torch.randint(0, model.config.vocab_size, (1, t), device=device)
+            pos = torch.arange(context, context + t, device=device)[None]
+
+            def one(ids: torch.Tensor = ids, pos: torch.Tensor = pos) -> None:
+                cache.length = context
+                model.logits(model(ids, pos, cache)[0])
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+
+            out[t] = round(1000 * median_seconds(one, repeats, warmup=2), 2)
+    return out
+
+
+def run(model: str, dtype: str, new_tokens: int, repeats: int, threads: int | None) -> RuntimeReport:
+    from transformers import AutoModelForCausalLM
+
+    from specdecode.llm import resolve_dtype
+    from specdecode.models.loader import resolve_model
+
+    if threads:
+        torch.set_num_threads(threads)
+    llm = LLM(model=model, dtype=dtype)
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=resolve_dtype(dtype))
+    hf = hf.to(llm.model.device).eval()
+    ids = llm.chat_prompt([{"role": "user", "content": PROMPT}])
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    report = RuntimeReport(model, dtype, torch.get_num_threads(), new_tokens)
+    input_ids = torch.tensor([ids], device=llm.model.device)
+
+    def ours() -> list[int]:
+        return llm.generate([ids], params)[0].token_ids
+
+    def theirs() -> list[int]:
+        out = hf.generate(
+            input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+        )
+        return out[0, len(ids) :].tolist()
+
+    ours(), theirs()  # warm-up
+    for _ in range(repeats):
+        for fn, sink in ((ours, report.ours_tok_s), (theirs, report.hf_tok_s)):
+            t0 = time.perf_counter()
+            tokens = fn()
+            sink.append(len(tokens) / (time.perf_counter() - t0))
+    # min_new_tokens masks end-of-sequence in transformers, ignore_eos in ours: same rule, same tokens
+    report.same_tokens = ours() == theirs()
+    report.forward_ms = forward_latency(llm, LATENCY_WIDTHS)
+    return report
+
+
+def print_report(report: RuntimeReport) -> None:
+    d = report.as_dict()
+    print(f"model {report.model}  dtype {report.dtype}  threads {report.threads}  tokens {report.new_tokens}")
+    print(f"  specdecode    {d['specdecode_tok_s_median']:>8} tok/s  (runs {d['specdecode_tok_s_runs']})")
+    print(f"  transformers  {d['transformers_tok_s_median']:>8} tok/s  (runs {d['transformers_tok_s_runs']})")
+    print(f"  speedup       {d['speedup']:>8}x    same greedy tokens: {report.same_tokens}")
+    print("  forward latency (ms) by new tokens over a 256-token context:")
+    print("    " + "  ".join(f"T={t}: {ms}" for t, ms in report.forward_ms.items()))
+
+
+def main_args(args: argparse.Namespace) -> None:
+    report = run(args.model, args.dtype, args.new_tokens, args.repeats, args.threads)
+    print_report(report)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report.as_dict(), fh, indent=2)

@@ -1,0 +1,72 @@
+"""SamplingParams validation and the logits -> target-distribution transform."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specdecode.errors import SpecDecodeError
+from specdecode.sampling import SamplingParams, logits_to_probs
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"top_k": -2}, "top_k"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_invalid_values_name_the_setting(kwargs: dict, needle: str) -> None:
+    with pytest.raises(SpecDecodeError, match=needle):
+        SamplingParams(**kwargs)
+
+
+def test_stop_accepts_a_single_string() -> None:
+    assert SamplingParams(stop="###").stop == ["###"]
+
+
+LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625]))
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        (SamplingParams(temperature=1.0), [0.5, 0.25, 0.125, 0.0625, 0.0625]),
+        (SamplingParams(temperature=1.0, top_k=2), [2 / 3, 1 / 3, 0, 0, 0]),
+        # top_p keeps the smallest head whose mass reaches p: 0.5 + 0.25 >= 0.7
+        (SamplingParams(temperature=1.0, top_p=0.7), [2 / 3, 1 / 3, 0, 0, 0]),
+        (SamplingParams(temperature=1.0, top_p=0.45), [1, 0, 0, 0, 0]),
+        (SamplingParams(temperature=1.0, top_p=0.76), [4 / 7, 2 / 7, 1 / 7, 0, 0]),
+    ],
+)
+def test_logits_to_probs(params: SamplingParams, expected: list[float]) -> None:
+    torch.testing.assert_close(logits_to_probs(LOGITS, params), torch.tensor(expected, dtype=torch.float32))
+
+
+def test_temperature_sharpens() -> None:
+    p = logits_to_probs(LOGITS, SamplingParams(temperature=0.5))
+    q = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625]) ** 2
+    torch.testing.assert_close(p, q / q.sum())
+
+
+def test_seed_makes_sampling_reproducible(tiny_model_dir) -> None:
+    from specdecode.engine import Engine, Request
+    from specdecode.models.transformer import Transformer
+
+    model = Transformer.from_dir(tiny_model_dir)
+
+    def run(seed: int) -> list[int]:
+        req = Request(model, [3, 4, 5], SamplingParams(max_tokens=20, seed=seed, ignore_eos=True), [2])
+        list(Engine(model).generate(req))
+        return req.output_ids
+
+    assert run(1) == run(1)
+    assert run(1) != run(2)
