@@ -1,0 +1,120 @@
+"""The command line: a generation runs, and every kind of bad input is one line on stderr, exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specdecode.cli import main
+from tests.test_loading import _fake_entry
+from tests.tiny_gguf import write_tiny_gguf
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path: Path) -> Path:
+    return write_tiny_gguf(tmp_path / "tiny.gguf", "llama").path
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json(tiny_gguf: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(
+        [
+            "generate",
+            "--model",
+            str(tiny_gguf),
+            "--prompt",
+            "the tea",
+            "--max-tokens",
+            "5",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    record = json.loads(out)
+    assert len(record["token_ids"]) == 5
+    assert record["finish_reason"] == "length"
+    assert record["stats"]["mean_accepted_length"] == 1.0
+    assert record["timing"]["total_s"] > 0
+
+
+def truncated(tiny_gguf: Path) -> str:
+    data = tiny_gguf.read_bytes()
+    bad = tiny_gguf.with_name("cut.gguf")
+    bad.write_bytes(data[: len(data) // 2])
+    return str(bad)
+
+
+def unsupported(tiny_gguf: Path) -> str:
+    return str(write_tiny_gguf(tiny_gguf.with_name("gpt2.gguf"), "llama", declared_arch="gpt2").path)
+
+
+BAD_INPUTS = [
+    # (name, argv after `generate --prompt hi` given a tiny model path, expected words)
+    ("unknown model", lambda g: ["--model", "no-such-model"], "unknown model 'no-such-model'"),
+    ("missing file", lambda g: ["--model", str(g.with_name("absent.gguf"))], "no such file"),
+    ("truncated gguf", lambda g: ["--model", truncated(g)], "cut.gguf"),
+    ("unsupported architecture", lambda g: ["--model", unsupported(g)], "unsupported architecture"),
+    ("negative temperature", lambda g: ["--model", str(g), "--temperature", "-1"], "temperature"),
+    ("top-p above 1", lambda g: ["--model", str(g), "--top-p", "1.5"], "top_p"),
+    ("top-p zero", lambda g: ["--model", str(g), "--top-p", "0"], "top_p"),
+    ("max tokens zero", lambda g: ["--model", str(g), "--max-tokens", "0"], "max_tokens"),
+    ("prompt beyond context", lambda g: ["--model", str(g), "--prompt", "the " * 300], "context"),
+]
+
+
+@pytest.mark.parametrize(("case", "args", "words"), BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_is_one_line(
+    case, args, words, tiny_gguf: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run_cli(["generate", "--prompt", "hi", *args(tiny_gguf)], capsys)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.startswith("specdecode: error:")]
+    assert len(lines) == 1 and words in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_checksum_mismatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    _fake_entry(monkeypatch, tmp_path / "wheels", [b"tampered" * 64], "0" * 64)
+    code, _, err = run_cli(["models", "fetch", "fake-model"], capsys)
+    assert code == 2 and "checksum mismatch" in err
+
+
+def test_console_script_exit_status(tmp_path: Path) -> None:
+    """The installed entry point, in a real process: non-zero status, no traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdecode.cli", "generate", "--model", "nope", "--prompt", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("specdecode: error: unknown model 'nope'")
+    assert "Traceback" not in proc.stderr
+
+
+def test_models_list(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(["models", "list"], capsys)
+    assert code == 0
+    assert [line.split()[0] for line in out.splitlines()] == [
+        "smollm2-135m",
+        "qwen2.5-coder-0.5b",
+        "qwen2.5-coder-1.5b",
+    ]
