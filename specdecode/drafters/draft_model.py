@@ -1,0 +1,209 @@
+"""Draft-model speculation: a smaller model with the target's vocabulary drafts a chain of tokens.
+
+The draft keeps its own KV cache for the whole request, so each step it only runs the tokens it
+has not seen (the tokens the target emitted last step, at least the root) and then K single-token
+forwards; it never re-reads the prompt. After verification its cache is cut back to the longest
+prefix that still agrees with the request, which with a static cache is bookkeeping only.
+
+Losslessness does not depend on the draft at all, only on telling the verifier the truth about
+where each draft token came from: under sampling a token is drawn from the draft's processed
+distribution q, which is either attached (`use_draft_logits`, rejection sampling against q) or
+withheld (the verifier then treats the token as a point mass, which is also exact, only with a
+lower acceptance rate). Greedy drafting is argmax, verified by token matching.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from specdecode.drafters.base import Drafter, Proposal, StepResult
+from specdecode.errors import SpecDecodeError
+from specdecode.kv_cache import KVCache
+from specdecode.models.tokenizer import Tokenizer
+from specdecode.models.transformer import Transformer
+from specdecode.sampling import logits_to_probs, sample
+from specdecode.tree import DraftTree
+
+if TYPE_CHECKING:
+    from specdecode.engine import Request
+
+FEED_CHUNK = 512  # tokens per draft forward when catching up: bounds the attention scores' memory
+
+
+class DraftSettings(Protocol):
+    """What the drafter reads from its config: `DraftModelConfig` or `PromptLookupConfig`."""
+
+    @property
+    def num_draft_tokens(self) -> int: ...
+
+    @property
+    def use_draft_logits(self) -> bool: ...
+
+
+class DraftModelDrafter(Drafter):
+    """Drafts `num_draft_tokens` tokens a step with `draft`, a chain verified by the target.
+
+    `target_vocab_size` is the target's embedding size V: draft_probs rows are (V,). When the
+    draft's embedding size Vd differs (models of one family are padded differently), the draft
+    only ever proposes ids below min(Vd, V), and any id >= Vd in the request (target padding ids,
+    which a trained target never emits) is fed to the draft as id 0: the draft's guesses suffer,
+    correctness does not.
+
+    Made per request; the engine calls `begin` after its prefill (here: the draft's own prefill
+    of the prompt minus its last token); `propose` also starts it lazily if `begin` was skipped.
+    Assumes `req.all_ids` only grows by appending (the engine's contract).
+    """
+
+    def __init__(self, config: DraftSettings, draft: Transformer, target_vocab_size: int) -> None:
+        self.num_draft_tokens = config.num_draft_tokens
+        self.use_draft_logits = config.use_draft_logits
+        self.draft = draft
+        self.target_vocab_size = target_vocab_size
+        self.draft_vocab_size = draft.config.vocab_size
+        self.shared_vocab = min(self.draft_vocab_size, target_vocab_size)
+        self.max_nodes = self.num_draft_tokens
+        self.cache: KVCache | None = None
+        # Token of every slot in the draft's cache (len == cache.length): the request's tokens
+        # followed by the draft tokens fed last step.
+        self._fed: list[int] = []
+        # Length of a prefix of `_fed` known to equal the request's: it stays true as both only
+        # grow or are cut back to such a prefix, so agreement is checked only past it.
+        self._agreed = 0
+
+    # ---- Drafter interface ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def begin(self, req: Request, prompt_hidden: torch.Tensor | None) -> None:
+        """Make the draft's cache (as large as the request's) and prefill the prompt without its
+        last token, the first root. `prompt_hidden` (the target's) is not used."""
+        self.cache = self.draft.new_cache(req.max_len)
+        self._fed, self._agreed = [], 0
+        prefix = req.prompt_ids[:-1]
+        if len(prefix) < self.cache.max_len:  # else the prompt exceeds the draft's context
+            self._feed(prefix)
+
+    @torch.inference_mode()
+    def propose(self, req: Request) -> Proposal:
+        if self.cache is None:
+            self.begin(req, None)
+        assert self.cache is not None
+        ids = req.all_ids
+        length = len(ids)
+        # Target: the root and K draft tokens need `length + K` slots of req.max_len. Draft:
+        # it feeds the request and K-1 draft tokens, `length + K - 1` slots of its own cache.
+        k = min(self.num_draft_tokens, req.max_len - length, self.cache.max_len - length + 1)
+        if k <= 0:
+            return Proposal(DraftTree.empty())
+        self._sync(ids)
+        if len(self._fed) >= length:  # root already cached (propose twice): re-run it for its logits
+            self._truncate(length - 1)
+        hidden = self._feed(ids[len(self._fed) :])  # (C,) of the root
+        self._agreed = length
+        greedy = req.params.greedy
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []  # (shared_vocab,) each: what each token was drawn from
+        for i in range(k):
+            logits = self.draft.logits(hidden)[: self.shared_vocab]  # (Vs,)
+            if greedy:
+                token = int(logits.argmax())
+            else:
+                q = logits_to_probs(logits, req.params)  # (Vs,)
+                token = self._draw(q, req.generator)
+                rows.append(q)
+            tokens.append(token)
+            if i + 1 < k:  # the last draft token is never fed: nothing would read its output
+                hidden = self._feed([token])
+        probs = None
+        if rows and self.use_draft_logits:
+            probs = torch.zeros(k, self.target_vocab_size, dtype=rows[0].dtype, device=rows[0].device)
+            probs[:, : self.shared_vocab] = torch.stack(rows)  # (K, V), zero past the shared ids
+        return Proposal(DraftTree.chain(torch.tensor(tokens, device=self.draft.device), probs))
+
+    def observe(self, req: Request, result: StepResult) -> None:
+        """Forget the rejected draft tokens: cut the cache to the prefix agreeing with the request."""
+        if self.cache is not None:
+            self._sync(req.all_ids)
+
+    # ---- cache bookkeeping ---------------------------------------------------------------------
+
+    def _sync(self, ids: list[int]) -> None:
+        """Cut the draft's cache to the longest common prefix of its tokens and `ids`."""
+        fed = self._fed
+        n = min(len(fed), len(ids))
+        i = min(self._agreed, n)
+        while i < n and fed[i] == ids[i]:
+            i += 1
+        self._truncate(i)
+
+    def _truncate(self, length: int) -> None:
+        assert self.cache is not None
+        self.cache.truncate(length)
+        del self._fed[length:]
+        self._agreed = min(self._agreed, length)
+
+    def _feed(self, tokens: list[int]) -> torch.Tensor:
+        """Run `tokens` through the draft after its cache (chunked); returns the last hidden state
+        (C,), or an empty (0,) tensor when `tokens` is empty (begin with a one-token prompt)."""
+        assert self.cache is not None
+        device = self.draft.device
+        hidden = torch.empty(0, device=device)
+        inputs = tokens
+        if self.target_vocab_size > self.draft_vocab_size:  # ids the draft cannot embed -> 0
+            inputs = [t if t < self.draft_vocab_size else 0 for t in tokens]
+        for s in range(0, len(inputs), FEED_CHUNK):
+            chunk = torch.tensor([inputs[s : s + FEED_CHUNK]], device=device)  # (1, T)
+            start = self.cache.length
+            positions = torch.arange(start, start + chunk.shape[1], device=device)[None]  # (1, T)
+            hidden = self.draft(chunk, positions, self.cache)[0, -1]  # (C,)
+        self._fed.extend(tokens)
+        return hidden
+
+    @staticmethod
+    def _draw(q: torch.Tensor, generator: torch.Generator | None) -> int:
+        """One token from q (Vs,) with the request's generator, wherever that generator lives."""
+        if generator is not None and generator.device != q.device:
+            q = q.to(generator.device)
+        return sample(q, generator)
+
+
+def _vocab(tokenizer: Tokenizer) -> dict[str, int]:
+    """token -> id of every token, added ones included."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if callable(get_vocab):
+        return dict(get_vocab())
+    return tokenizer._tok.get_vocab(with_added_tokens=True)
+
+
+def check_vocabularies(
+    target_tokenizer: Tokenizer,
+    draft_tokenizer: Tokenizer,
+    target_name: str = "target",
+    draft_name: str = "draft",
+    target_vocab_size: int | None = None,
+    draft_vocab_size: int | None = None,
+) -> None:
+    """Raise `SpecDecodeError` naming both models unless they map tokens to ids identically.
+
+    A draft model only helps when its token ids mean what the target's mean; a different
+    tokenizer would still be lossless but would draft nonsense, which is almost certainly a
+    mistake worth stopping. Only ids below the smaller embedding size (the `*_vocab_size`
+    arguments, else the smaller tokenizer) are compared: past it, models of one family differ
+    only by padding or by tokens the smaller model cannot produce anyway. One dictionary
+    comparison, cheap even for 150k-token vocabularies.
+    """
+    sizes = [s for s in (target_vocab_size, draft_vocab_size) if s is not None]
+    limit = min(sizes) if sizes else min(target_tokenizer.vocab_size, draft_tokenizer.vocab_size)
+    target = {tok: i for tok, i in _vocab(target_tokenizer).items() if i < limit}
+    draft = {tok: i for tok, i in _vocab(draft_tokenizer).items() if i < limit}
+    if target == draft:
+        return
+    differing = sorted(set(target.items()) ^ set(draft.items()), key=lambda item: item[1])
+    example = differing[0][0]
+    raise SpecDecodeError(
+        f"draft model {draft_name!r} does not share the vocabulary of target model {target_name!r}: "
+        f"{len(differing)} token/id pairs differ among ids below {limit} (e.g. {example!r}: "
+        f"target id {target.get(example)}, draft id {draft.get(example)}); "
+        "choose a draft model from the target's family"
+    )
