@@ -44,6 +44,47 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
+def _lookahead(text: str) -> tuple[int, int, int]:
+    try:
+        w, n, g = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected W,N,G (three integers), got {text!r}") from None
+    return w, n, g
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (options of other methods are an error)")
+    g.add_argument("--method", choices=["none", "draft_model", "prompt_lookup", "lookahead"], default=None)
+    g.add_argument("--draft-model", default=None, help="draft_model / prompt_lookup: the draft model")
+    g.add_argument("--num-draft-tokens", "--max-draft-len", type=int, default=None, dest="num_draft_tokens")
+    g.add_argument("--use-draft-logits", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--prompt-lookup-num-tokens", type=int, default=None)
+    g.add_argument("--max-matching-ngram-size", type=int, default=None)
+    g.add_argument("--lookahead", type=_lookahead, default=None, metavar="W,N,G")
+
+
+def speculative_settings(args: argparse.Namespace) -> dict[str, object] | None:
+    """The `speculative` dictionary of the flags given (validated later, in one place)."""
+    spec: dict[str, object] = {}
+    for name in (
+        "draft_model",
+        "num_draft_tokens",
+        "use_draft_logits",
+        "prompt_lookup_num_tokens",
+        "max_matching_ngram_size",
+    ):
+        if getattr(args, name) is not None:
+            spec[name] = getattr(args, name)
+    if args.lookahead is not None:
+        spec["window_size"], spec["ngram_size"], spec["verification_set_size"] = args.lookahead
+    method = args.method
+    if method is None and spec:
+        method = "lookahead" if args.lookahead is not None else None
+    if method is None and not spec:
+        return None
+    return {"method": method, **spec}
+
+
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     from specdecode.sampling import SamplingParams
 
@@ -60,9 +101,13 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from specdecode.llm import LLM
+    from specdecode.spec_config import parse_speculative
 
     params = sampling_params(args)  # validate before the (slow) model load
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
+    spec = parse_speculative(speculative_settings(args))
+    llm = LLM(
+        model=args.model, dtype=args.dtype, device=args.device, speculative=spec, num_threads=args.threads
+    )
     prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     if args.stream and not args.json:
         for delta in llm.stream(prompt, params):
@@ -110,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_sampling_args(gen)
+    add_speculative_args(gen)
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--json", action="store_true", help="print text, token ids, timing and stats as JSON")
     gen.set_defaults(func=cmd_generate)

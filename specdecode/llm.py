@@ -12,13 +12,22 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from specdecode.drafters.base import Drafter
 from specdecode.engine import Engine, Request
 from specdecode.errors import SpecDecodeError
+from specdecode.models.config import ModelConfig
 from specdecode.models.loader import resolve_model
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.models.transformer import Transformer
 from specdecode.outputs import RequestOutput
 from specdecode.sampling import SamplingParams
+from specdecode.spec_config import (
+    DraftModelConfig,
+    LookaheadConfig,
+    PromptLookupConfig,
+    SpecConfig,
+    parse_speculative,
+)
 
 DTYPES = {
     "float32": torch.float32,
@@ -29,6 +38,8 @@ DTYPES = {
 
 Prompt = str | list[int]
 Message = dict[str, str]
+Speculative = SpecConfig | dict | None
+DEFAULT = object()  # "use the LLM's own speculative setting"
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -97,7 +108,9 @@ class LLM:
 
     `model` is a short name (`specdecode models list`), a `.gguf` file, a Hugging Face model
     directory, or a hub id where a network exists. `dtype` is float32 or bfloat16; `device`
-    defaults to CUDA when available, else CPU.
+    defaults to CUDA when available, else CPU. `speculative` is the default speculative method
+    for every call (a dictionary such as `{"method": "prompt_lookup"}`; None = plain decoding);
+    a lookahead setting here also fixes the largest (W, N, G) a call may ask for.
     """
 
     def __init__(
@@ -105,6 +118,7 @@ class LLM:
         model: str = "smollm2-135m",
         dtype: str | torch.dtype = "float32",
         device: str | None = None,
+        speculative: Speculative = None,
         num_threads: int | None = None,
         progress: bool = True,
     ) -> None:
@@ -113,10 +127,66 @@ class LLM:
                 raise SpecDecodeError(f"num_threads must be >= 1, got {num_threads}")
             torch.set_num_threads(num_threads)
         self.model_name = model
+        self.speculative = parse_speculative(speculative)
+        self.lookahead_limit = self.speculative if isinstance(self.speculative, LookaheadConfig) else None
+        self.progress = progress
         path = resolve_model(model, progress=progress)
         self.tokenizer = Tokenizer.from_dir(path)
         self.model = Transformer.from_dir(path, dtype=resolve_dtype(dtype), device=resolve_device(device))
         self.engine = Engine(self.model)
+        self._draft_models: dict[str, Transformer] = {}
+        if self.speculative is not None:
+            self._drafter(self.speculative)  # load a draft model now and fail early on bad settings
+
+    # ---- speculation ---------------------------------------------------------------------------
+
+    def _spec(self, speculative: Speculative | object) -> SpecConfig | None:
+        if speculative is DEFAULT:
+            return self.speculative
+        spec = parse_speculative(speculative)  # type: ignore[arg-type]
+        if isinstance(spec, LookaheadConfig) and self.lookahead_limit is not None:
+            spec.check_within(self.lookahead_limit)
+        return spec
+
+    def draft_model(self, name: str) -> Transformer:
+        """The draft model `name`, loaded once and checked to share the target's vocabulary."""
+        if name not in self._draft_models:
+            from specdecode.drafters.draft_model import check_vocabularies
+
+            path = resolve_model(name, progress=self.progress)
+            check_vocabularies(
+                self.tokenizer,
+                Tokenizer.from_dir(path),
+                self.model_name,
+                name,
+                self.model.config.vocab_size,
+                ModelConfig.from_dir(path).vocab_size,
+            )
+            self._draft_models[name] = Transformer.from_dir(path, self.model.dtype, self.model.device)
+        return self._draft_models[name]
+
+    def _drafter(self, spec: SpecConfig | None) -> Drafter | None:
+        """A fresh drafter for one request (drafters keep per-request state)."""
+        vocab = self.model.config.vocab_size
+        if spec is None:
+            return None
+        if isinstance(spec, DraftModelConfig):
+            from specdecode.drafters.draft_model import DraftModelDrafter
+
+            return DraftModelDrafter(spec, self.draft_model(spec.draft_model), vocab)
+        if isinstance(spec, PromptLookupConfig):
+            from specdecode.drafters.draft_model import DraftModelDrafter
+            from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+
+            fallback = None
+            if spec.draft_model is not None:
+                fallback = DraftModelDrafter(spec, self.draft_model(spec.draft_model), vocab)
+            return PromptLookupDrafter(spec, fallback)
+        if isinstance(spec, LookaheadConfig):
+            from specdecode.drafters.lookahead import LookaheadDrafter
+
+            return None if spec.is_plain else LookaheadDrafter(spec)
+        raise AssertionError(f"no drafter for {spec!r}")
 
     # ---- prompts -------------------------------------------------------------------------------
 
@@ -127,8 +197,9 @@ class LLM:
             return list(prompt)
         raise SpecDecodeError("a prompt must be a string or a list of token ids")
 
-    def _request(self, prompt: Prompt, params: SamplingParams) -> Request:
-        return Request(self.model, self._prompt_ids(prompt), params, self.tokenizer.eos_token_ids)
+    def _request(self, prompt: Prompt, params: SamplingParams, spec: SpecConfig | None) -> Request:
+        ids = self._prompt_ids(prompt)
+        return Request(self.model, ids, params, self.tokenizer.eos_token_ids, self._drafter(spec))
 
     # ---- generation ----------------------------------------------------------------------------
 
@@ -136,10 +207,14 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | None = None,
+        speculative: Speculative | object = DEFAULT,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (a string, or a list of token ids used as given) in order."""
+        """Generate for each prompt (a string, or a list of token ids used as given) in order.
+
+        `speculative` overrides the LLM's default method for this call (None = plain decoding)."""
         params = params or SamplingParams()
+        spec = self._spec(speculative)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         outputs: list[RequestOutput] = []
@@ -148,12 +223,17 @@ class LLM:
 
             prompts = tqdm(prompts, desc="generate", unit="prompt")
         for prompt in prompts:
-            outputs.append(self._run(prompt, params))
+            outputs.append(self._run(prompt, params, spec))
         return outputs
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        speculative: Speculative | object = DEFAULT,
+    ) -> Iterator[str]:
         """Yield the text of one generation piece by piece as it is produced."""
-        req = self._request(prompt, params or SamplingParams())
+        req = self._request(prompt, params or SamplingParams(), self._spec(speculative))
         stream = TextStream(self.tokenizer, req.params.stop)
         for _ in self.engine.generate(req):
             delta = stream.update(req.output_ids, final=req.finish_reason is not None)
@@ -168,11 +248,12 @@ class LLM:
         self,
         messages: list[Message] | Sequence[list[Message]],
         params: SamplingParams | None = None,
+        speculative: Speculative | object = DEFAULT,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or several) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.chat_prompt(conv) for conv in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, params)
+        return self.generate(prompts, params, speculative)
 
     def chat_prompt(self, messages: list[Message]) -> list[int]:
         """Token ids of a conversation rendered with the chat template, ready for the reply."""
@@ -182,8 +263,8 @@ class LLM:
         assert isinstance(ids, list)
         return ids
 
-    def _run(self, prompt: Prompt, params: SamplingParams) -> RequestOutput:
-        req = self._request(prompt, params)
+    def _run(self, prompt: Prompt, params: SamplingParams, spec: SpecConfig | None) -> RequestOutput:
+        req = self._request(prompt, params, spec)
         stream = TextStream(self.tokenizer, params.stop)
         for _ in self.engine.generate(req):
             if params.stop:

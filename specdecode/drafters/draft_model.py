@@ -168,14 +168,6 @@ class DraftModelDrafter(Drafter):
         return sample(q, generator)
 
 
-def _vocab(tokenizer: Tokenizer) -> dict[str, int]:
-    """token -> id of every token, added ones included."""
-    get_vocab = getattr(tokenizer, "get_vocab", None)
-    if callable(get_vocab):
-        return dict(get_vocab())
-    return tokenizer._tok.get_vocab(with_added_tokens=True)
-
-
 def check_vocabularies(
     target_tokenizer: Tokenizer,
     draft_tokenizer: Tokenizer,
@@ -195,8 +187,8 @@ def check_vocabularies(
     """
     sizes = [s for s in (target_vocab_size, draft_vocab_size) if s is not None]
     limit = min(sizes) if sizes else min(target_tokenizer.vocab_size, draft_tokenizer.vocab_size)
-    target = {tok: i for tok, i in _vocab(target_tokenizer).items() if i < limit}
-    draft = {tok: i for tok, i in _vocab(draft_tokenizer).items() if i < limit}
+    target = {tok: i for tok, i in target_tokenizer.get_vocab().items() if i < limit}
+    draft = {tok: i for tok, i in draft_tokenizer.get_vocab().items() if i < limit}
     if target == draft:
         return
     differing = sorted(set(target.items()) ^ set(draft.items()), key=lambda item: item[1])

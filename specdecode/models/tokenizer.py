@@ -113,6 +113,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def get_vocab(self) -> dict[str, int]:
+        """Token -> id for the whole vocabulary, added (special) tokens included."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def _special_id(self, name: str) -> int | None:
         text = _token_text(self.config.get(name))
         return None if text is None else self._tok.token_to_id(text)
