@@ -1,4 +1,4 @@
-"""Command line: `specdecode generate | models list | models fetch | bench-runtime`.
+"""Command line: `specdecode generate | models list | models fetch | bench | bench-runtime`.
 
 Bad input is reported as one line on stderr (`specdecode: error: ...`) with exit status 2,
 never a traceback.
@@ -146,6 +146,12 @@ def cmd_bench_runtime(args: argparse.Namespace) -> None:
     main_args(args)
 
 
+def cmd_bench(args: argparse.Namespace) -> None:
+    from specdecode.bench.specbench import main_args
+
+    main_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -166,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     fetch = msub.add_parser("fetch", help="download, check and convert a model")
     fetch.add_argument("names", nargs="+", metavar="NAME")
     fetch.set_defaults(func=cmd_models_fetch)
+    bench = sub.add_parser("bench", help="Spec-Bench: plain decoding vs speculative methods, per category")
+    add_model_args(bench)
+    from specdecode.bench.specbench import add_args as add_bench_args
+
+    add_bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
+
     bench_rt = sub.add_parser("bench-runtime", help="plain decoding speed vs transformers, forward latency")
     add_model_args(bench_rt)
     bench_rt.add_argument("--new-tokens", type=_positive_int, default=256)

@@ -1,0 +1,296 @@
+"""Spec-Bench: plain decoding and speculative methods on the same questions, in one process.
+
+    specdecode bench --model smollm2-135m --method prompt_lookup --method lookahead --per-category 2
+
+For each question (both turns of MT-Bench ones) every method runs back to back, so machine noise
+hits them alike. Reported per category and overall: tokens/s, speedup over plain decoding measured
+in this run, τ (tokens per target forward), and whether every greedy output equals plain decoding.
+With `--transformers`, Hugging Face transformers runs the same prompts (plain `generate`, and its
+`prompt_lookup_num_tokens` / `assistant_model` equivalents of our methods) as the peer baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdecode.errors import SpecDecodeError
+from specdecode.llm import LLM
+from specdecode.sampling import SamplingParams
+from specdecode.spec_config import (
+    DraftModelConfig,
+    LookaheadConfig,
+    PromptLookupConfig,
+    SpecConfig,
+    parse_speculative,
+)
+
+DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2].parent / "shared/data/spec_bench/question.jsonl"
+MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+
+
+def category_of(question: dict[str, Any]) -> str:
+    """Spec-Bench's reporting category: the eight MT-Bench sub-categories count as one."""
+    return "mt_bench" if question["category"] in MT_BENCH else question["category"]
+
+
+def load_questions(path: str | Path, per_category: int | None, categories: list[str] | None) -> list[dict]:
+    file = Path(path)
+    if not file.is_file():
+        raise SpecDecodeError(f"question file {file} not found")
+    questions: list[dict] = []
+    seen: dict[str, int] = defaultdict(int)
+    for n, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            q = json.loads(line)
+            cat = category_of(q)
+            q["turns"] = list(q["turns"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise SpecDecodeError(
+                f"{file}:{n}: not a Spec-Bench question (needs category and turns)"
+            ) from None
+        if categories and cat not in categories:
+            continue
+        if per_category is not None and seen[cat] >= per_category:
+            continue
+        seen[cat] += 1
+        questions.append(q)
+    if not questions:
+        raise SpecDecodeError(f"no questions selected from {file}")
+    return questions
+
+
+@dataclass
+class Tally:
+    """Totals of one method in one category."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    forwards: int = 0
+    outputs: int = 0
+    mismatches: int = 0
+
+    def add(self, other: Tally) -> None:
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+        self.forwards += other.forwards
+        self.outputs += other.outputs
+        self.mismatches += other.mismatches
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.tokens / self.forwards if self.forwards else 0.0
+
+
+@dataclass
+class Method:
+    """One column of the benchmark: ours (a spec, None = plain) or transformers' (`peer`)."""
+
+    label: str
+    spec: SpecConfig | None
+    peer: bool = False
+    tallies: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
+
+    def total(self) -> Tally:
+        out = Tally()
+        for t in self.tallies.values():
+            out.add(t)
+        return out
+
+
+def label_of(spec: SpecConfig | None) -> str:
+    if spec is None:
+        return "plain"
+    if isinstance(spec, DraftModelConfig):
+        return f"draft_model[{spec.draft_model},k={spec.num_draft_tokens}]"
+    if isinstance(spec, PromptLookupConfig):
+        extra = f",draft={spec.draft_model}" if spec.draft_model else ""
+        return f"prompt_lookup[k={spec.prompt_lookup_num_tokens},n={spec.max_matching_ngram_size}{extra}]"
+    if isinstance(spec, LookaheadConfig):
+        return f"lookahead[{spec.window_size},{spec.ngram_size},{spec.verification_set_size}]"
+    return spec.method
+
+
+class PeerRunner:
+    """transformers on the same converted weights: plain greedy, prompt lookup, assistant model."""
+
+    def __init__(self, llm: LLM) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from specdecode.models.loader import resolve_model
+
+        def load(name: str) -> Any:
+            model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=llm.model.dtype)
+            return model.to(llm.model.device).eval()
+
+        self.load = load
+        self.model = load(llm.model_name)
+        self.assistants: dict[str, Any] = {}
+        self.eos = llm.tokenizer.eos_token_ids
+        self.device = llm.model.device
+
+    def supports(self, spec: SpecConfig | None) -> bool:
+        return (
+            spec is None
+            or isinstance(spec, DraftModelConfig)
+            or (isinstance(spec, PromptLookupConfig) and spec.draft_model is None)
+        )
+
+    def run(self, ids: list[int], spec: SpecConfig | None, max_tokens: int) -> list[int]:
+        kwargs: dict[str, Any] = {}
+        if isinstance(spec, PromptLookupConfig):
+            kwargs["prompt_lookup_num_tokens"] = spec.prompt_lookup_num_tokens
+            kwargs["max_matching_ngram_size"] = spec.max_matching_ngram_size
+        elif isinstance(spec, DraftModelConfig):
+            if spec.draft_model not in self.assistants:
+                self.assistants[spec.draft_model] = self.load(spec.draft_model)
+            kwargs["assistant_model"] = self.assistants[spec.draft_model]
+            kwargs["num_assistant_tokens"] = spec.num_draft_tokens
+            kwargs["num_assistant_tokens_schedule"] = "constant"
+        out = self.model.generate(
+            torch.tensor([ids], device=self.device),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=self.eos,
+            pad_token_id=self.eos[0],
+            **kwargs,
+        )
+        tokens = out[0, len(ids) :].tolist()
+        ends = [i for i, t in enumerate(tokens) if t in self.eos]
+        return tokens[: ends[0] + 1] if ends else tokens
+
+
+def run(
+    llm: LLM,
+    specs: list[SpecConfig | None],
+    questions: list[dict],
+    max_tokens: int,
+    temperature: float,
+    peer: bool,
+    progress: bool = True,
+) -> list[Method]:
+    from tqdm import tqdm
+
+    methods = [Method(label_of(s), s) for s in specs]
+    if peer:
+        runner = PeerRunner(llm)
+        methods += [Method("transformers:" + label_of(s), s, peer=True) for s in specs if runner.supports(s)]
+    for m in methods:  # warm-up: first calls pay one-off costs (allocation, draft model load)
+        if not m.peer:
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0), speculative=m.spec)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0)
+    total = sum(len(q["turns"]) for q in questions)
+    bar = tqdm(total=total, desc="spec-bench", unit="turn", disable=not progress)
+    for q in questions:
+        cat = category_of(q)
+        history: list[dict[str, str]] = []
+        for turn in q["turns"]:
+            history.append({"role": "user", "content": turn})
+            ids = llm.chat_prompt(history)
+            reference: list[int] | None = None
+            for m in methods:
+                tally = Tally(outputs=1)
+                t0 = time.perf_counter()
+                if m.peer:
+                    tokens = runner.run(ids, m.spec, max_tokens)
+                    tally.seconds = time.perf_counter() - t0
+                    tally.forwards = 0
+                else:
+                    out = llm.generate([ids], params, speculative=m.spec)[0]
+                    tally.seconds = time.perf_counter() - t0
+                    tokens = out.token_ids
+                    tally.forwards = out.stats.num_target_forwards
+                tally.tokens = len(tokens)
+                if reference is None:
+                    reference = tokens  # plain decoding runs first
+                tally.mismatches = int(temperature == 0 and tokens != reference)
+                m.tallies[cat].add(tally)
+            history.append({"role": "assistant", "content": llm.tokenizer.decode(reference or [])})
+            bar.update(1)
+    bar.close()
+    return methods
+
+
+def report(methods: list[Method], temperature: float) -> dict[str, Any]:
+    base = methods[0]
+    cats = sorted(base.tallies)
+    rows = []
+    for m in methods:
+        for cat in [*cats, "overall"]:
+            t = m.total() if cat == "overall" else m.tallies[cat]
+            b = base.total() if cat == "overall" else base.tallies[cat]
+            rows.append(
+                {
+                    "method": m.label,
+                    "category": cat,
+                    "tokens_per_s": round(t.tok_s, 2),
+                    "speedup": round(t.tok_s / b.tok_s, 3) if b.tok_s else None,
+                    "tau": round(t.tau, 3) if not m.peer else None,
+                    "greedy_match": (t.mismatches == 0) if temperature == 0 else None,
+                    "outputs": t.outputs,
+                    "tokens": t.tokens,
+                }
+            )
+    return {"temperature": temperature, "rows": rows}
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"{'method':<52} {'category':<15} {'tok/s':>8} {'speedup':>8} {'tau':>6} {'match':>6}")
+    for r in result["rows"]:
+        tau = "" if r["tau"] is None else f"{r['tau']:.2f}"
+        match = "" if r["greedy_match"] is None else ("yes" if r["greedy_match"] else "NO")
+        print(
+            f"{r['method']:<52} {r['category']:<15} {r['tokens_per_s']:>8.2f} "
+            f"{r['speedup'] or 0:>7.2f}x {tau:>6} {match:>6}"
+        )
+
+
+def specs_from_args(args: argparse.Namespace) -> list[SpecConfig | None]:
+    specs: list[SpecConfig | None] = [None]
+    for name in args.method or []:
+        options = {"draft_model": args.draft_model} if name == "draft_model" else {}
+        specs.append(parse_speculative({"method": name, **options}))
+    for text in args.spec or []:
+        try:
+            specs.append(parse_speculative(json.loads(text)))
+        except json.JSONDecodeError:
+            raise SpecDecodeError(f"--spec must be a JSON object, got {text!r}") from None
+    return specs
+
+
+def main_args(args: argparse.Namespace) -> None:
+    specs = specs_from_args(args)
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
+    questions = load_questions(args.questions, args.per_category or None, args.categories)
+    methods = run(llm, specs, questions, args.max_tokens, args.temperature, args.transformers)
+    result = report(methods, args.temperature)
+    result.update(model=args.model, max_tokens=args.max_tokens, questions=len(questions))
+    print_table(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="Spec-Bench format question.jsonl")
+    p.add_argument("--per-category", type=int, default=2, help="questions per category (0 = all)")
+    p.add_argument("--categories", nargs="*", default=None, help="e.g. mt_bench summarization")
+    p.add_argument("--method", action="append", help="a method with default options (repeatable)")
+    p.add_argument("--draft-model", default=None, help="draft model for --method draft_model")
+    p.add_argument("--spec", action="append", help='a full setting as JSON, e.g. \'{"method": "lookahead"}\'')
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--transformers", action="store_true", help="also time transformers on the same prompts")
+    p.add_argument("--json", metavar="FILE", help="write the figures as JSON")

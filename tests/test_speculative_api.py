@@ -1,0 +1,159 @@
+"""Speculative methods through the public API: greedy equality, stats, and bad settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specdecode import LLM, SamplingParams, SpecDecodeError
+from specdecode.spec_config import LookaheadConfig, parse_speculative
+from tests.tiny_gguf import write_tiny_gguf
+
+PROMPTS = ["the the tea in the tea", "in 12 12 12 in", "the a the a the a"]
+
+
+@pytest.fixture(scope="module")
+def tiny_paths(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """A tiny target, a different tiny draft with the same vocabulary, and one with another vocabulary."""
+    root = tmp_path_factory.mktemp("spec_api")
+    target = write_tiny_gguf(root / "target.gguf", "llama", seed=0).path
+    draft = write_tiny_gguf(root / "draft.gguf", "llama", seed=1).path
+    other = write_tiny_gguf(root / "other.gguf", "qwen2", pre="qwen2", seed=2).path
+    return target, draft, other
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_paths, tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    import os
+
+    os.environ["SPECDECODE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    return LLM(model=str(tiny_paths[0]), device="cpu", progress=False)
+
+
+def methods(draft: Path) -> list[dict]:
+    return [
+        {"method": "prompt_lookup"},
+        {"method": "prompt_lookup", "prompt_lookup_num_tokens": 6, "max_matching_ngram_size": 3},
+        {"method": "draft_model", "draft_model": str(draft), "num_draft_tokens": 3},
+        {"method": "draft_model", "draft_model": str(draft), "max_draft_len": 5, "use_draft_logits": False},
+        {"method": "prompt_lookup", "draft_model": str(draft)},
+        {"method": "lookahead", "window_size": 3, "ngram_size": 3, "verification_set_size": 3},
+        {"method": "lookahead", "window_size": 1, "ngram_size": 1, "verification_set_size": 0},
+    ]
+
+
+def test_every_method_reproduces_plain_greedy(llm: LLM, tiny_paths) -> None:
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    plain = [o.token_ids for o in llm.generate(PROMPTS, params, speculative=None)]
+    for spec in methods(tiny_paths[1]):
+        outs = llm.generate(PROMPTS, params, speculative=spec)
+        assert [o.token_ids for o in outs] == plain, spec
+        for o in outs:
+            s = o.stats
+            assert s.num_generated_tokens == 48
+            assert s.mean_accepted_length == pytest.approx(48 / s.num_target_forwards)
+            assert s.num_accepted_tokens <= s.num_draft_tokens
+
+
+def test_llm_default_and_per_call_override(tiny_paths) -> None:
+    llm = LLM(model=str(tiny_paths[0]), speculative={"method": "prompt_lookup"}, progress=False)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    spec_out = llm.generate(["the the the the"], params)[0]
+    plain_out = llm.generate(["the the the the"], params, speculative=None)[0]
+    assert spec_out.token_ids == plain_out.token_ids
+    assert plain_out.stats.num_draft_tokens == 0 and plain_out.stats.mean_accepted_length == 1.0
+    assert spec_out.stats.num_draft_tokens > 0
+
+
+BAD = [
+    ({"method": "medusa2"}, "unknown speculative method 'medusa2'"),
+    ({"method": "prompt_lookup", "num_draft_tokenz": 3}, "unknown option num_draft_tokenz"),
+    ({"method": "lookahead", "prompt_lookup_num_tokens": 3}, "unknown option prompt_lookup_num_tokens"),
+    ({"method": "draft_model"}, "draft_model"),
+    (
+        {"method": "draft_model", "draft_model": "x", "num_draft_tokens": 0},
+        "num_draft_tokens must be a positive",
+    ),
+    (
+        {"method": "draft_model", "draft_model": "x", "max_draft_len": -2},
+        "num_draft_tokens must be a positive",
+    ),
+    ({"method": "prompt_lookup", "prompt_lookup_num_tokens": 0}, "prompt_lookup_num_tokens"),
+    ({"method": "prompt_lookup", "max_matching_ngram_size": 0}, "max_matching_ngram_size"),
+    ({"method": "lookahead", "window_size": 0}, "window_size"),
+    ({"method": "lookahead", "window_size": 3, "ngram_size": 1, "verification_set_size": 2}, "(1, 1, 0)"),
+    ("prompt_lookup", "must be a dictionary"),
+]
+
+
+@pytest.mark.parametrize(("spec", "words"), BAD, ids=[str(b[0]) for b in BAD])
+def test_bad_settings_name_the_setting(spec, words: str) -> None:
+    with pytest.raises(SpecDecodeError) as err:
+        parse_speculative(spec)
+    assert words in str(err.value)
+
+
+def test_lookahead_limits() -> None:
+    assert LookaheadConfig(7, 7, 7).max_draft_len == 83
+    assert LookaheadConfig(1, 1, 0).max_draft_len == 0
+    assert LookaheadConfig(4, 3, 4).max_draft_len == 1 + 7 * 2
+    LookaheadConfig(3, 3, 2).check_within(LookaheadConfig(4, 4, 4))
+    LookaheadConfig(1, 1, 0).check_within(LookaheadConfig(4, 4, 4))
+    with pytest.raises(SpecDecodeError, match=r"exceeds the engine's configured \(4, 4, 4\)"):
+        LookaheadConfig(5, 3, 3).check_within(LookaheadConfig(4, 4, 4))
+
+
+def test_request_lookahead_beyond_engine_is_an_error(tiny_paths) -> None:
+    spec = {"method": "lookahead", "window_size": 3, "ngram_size": 3, "verification_set_size": 3}
+    llm = LLM(model=str(tiny_paths[0]), speculative=spec, progress=False)
+    with pytest.raises(SpecDecodeError, match="exceeds"):
+        llm.generate(["the"], SamplingParams(max_tokens=4), speculative={**spec, "window_size": 4})
+
+
+def test_draft_model_with_another_vocabulary_is_an_error(llm: LLM, tiny_paths, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from specdecode.models.loader import resolve_model
+
+    other = tmp_path / "other"
+    shutil.copytree(resolve_model(str(tiny_paths[2]), progress=False), other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = "Ġt", "he"  # swap two ids: same size, different meaning
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    spec = {"method": "draft_model", "draft_model": str(other)}
+    with pytest.raises(SpecDecodeError, match="does not share the vocabulary"):
+        llm.generate(["the"], SamplingParams(max_tokens=4), speculative=spec)
+
+
+def test_cli_method_flags(tiny_paths, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from specdecode.cli import main
+
+    base = [
+        "generate",
+        "--model",
+        str(tiny_paths[0]),
+        "--prompt",
+        "the the the the",
+        "--max-tokens",
+        "24",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--json",
+    ]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*base, "--method", "prompt_lookup", "--prompt-lookup-num-tokens", "3"]) == 0
+    lookup = json.loads(capsys.readouterr().out)
+    assert lookup["token_ids"] == plain["token_ids"]
+    assert lookup["stats"]["num_draft_tokens"] > 0
+    assert main([*base, "--lookahead", "2,2,1"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
+    assert main([*base, "--method", "lookahead", "--num-draft-tokens", "3"]) == 2
+    assert "unknown option num_draft_tokens" in capsys.readouterr().err
