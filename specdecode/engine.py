@@ -19,7 +19,8 @@ from specdecode.kv_cache import KVCache
 from specdecode.models.transformer import Transformer, tree_mask
 from specdecode.outputs import SpecStats, Timing
 from specdecode.sampling import SamplingParams, logits_to_probs, sample
-from specdecode.verify import verify_greedy, verify_sampling
+from specdecode.tree import DraftTree
+from specdecode.verify import Verdict, verify_greedy, verify_sampling
 
 PREFILL_CHUNK = 512  # prompt tokens per forward: bounds the attention scores' memory
 
@@ -140,15 +141,26 @@ class Engine:
             depths = torch.cat([depths, proposal.side_depths.to(device)])
             among_new[n + 1 :] = proposal.side_mask.to(device)
         hidden = self.model(ids[None], (start + depths)[None], req.cache, tree_mask(start, among_new))[0]
-        logits = self.model.logits(hidden)  # (N+1+M, V)
+        side_logits = self.model.logits(hidden[n + 1 :]) if m else None  # (M, V)
         if req.params.greedy:
-            verdict = verify_greedy(tree, logits[: n + 1])
+            verdict = self._verify_greedy(tree, hidden[: n + 1])
         else:
-            probs = logits_to_probs(logits[: n + 1], req.params)
-            verdict = verify_sampling(tree, probs, req.generator)
+            probs = logits_to_probs(self.model.logits(hidden[: n + 1]), req.params)
+            verify = req.drafter.sampling_verifier if req.drafter is not None else None
+            verdict = (verify or verify_sampling)(tree, probs, req.generator)
         req.cache.compact(start, verdict.kept_indices)
         max_depth = int(depths[: n + 1].max())
-        return verdict.tokens, StepResult(verdict, hidden, logits[n + 1 :] if m else None, n, max_depth)
+        return verdict.tokens, StepResult(verdict, hidden, side_logits, n, max_depth)
+
+    def _verify_greedy(self, tree: DraftTree, hidden: torch.Tensor) -> Verdict:
+        """`verify_greedy`, running the LM head on the root row first. On a small model the head
+        costs about a third of a forward and several rows cost much more than one; when no child
+        of the root is the target's choice (the most common outcome) that one row decides."""
+        first = self.model.logits(hidden[:1])  # (1, V)
+        best = int(first[0].argmax())
+        if not bool((tree.tokens[tree.parents == 0] == best).any()):
+            return Verdict([], [best])
+        return verify_greedy(tree, torch.cat([first, self.model.logits(hidden[1:])]))  # hidden (N+1, C)
 
     def generate(self, req: Request) -> Iterator[list[int]]:
         """Run `req` until it finishes (or the caller stops iterating and sets `finish_reason`),
