@@ -9,6 +9,7 @@ pool, a feature history).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,9 @@ from specdecode.verify import Verdict
 
 if TYPE_CHECKING:
     from specdecode.engine import Request
+
+# (tree, target_probs (N+1, V), generator) -> Verdict, as `verify_sampling`.
+SamplingVerifier = Callable[[DraftTree, torch.Tensor, "torch.Generator | None"], Verdict]
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,9 @@ class Drafter(ABC):
     so the engine can size the request's KV cache."""
 
     max_nodes: int = 0
+    # Replaces lossless `verify_sampling` for this drafter's sampled requests when set. Only a
+    # deliberately lossy opt-in does so (Medusa's typical acceptance); greedy is always exact.
+    sampling_verifier: SamplingVerifier | None = None
 
     def begin(self, req: Request, prompt_hidden: torch.Tensor | None) -> None:  # noqa: B027
         """Called once after prefill; `prompt_hidden` is (P-1, C), the prompt without its last token."""
