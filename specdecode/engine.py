@@ -13,10 +13,11 @@ from collections.abc import Iterator
 
 import torch
 
+from specdecode.attention import tree_mask
 from specdecode.drafters.base import Drafter, Proposal, StepResult
 from specdecode.errors import SpecDecodeError
 from specdecode.kv_cache import KVCache
-from specdecode.models.transformer import Transformer, tree_mask
+from specdecode.models.transformer import Transformer
 from specdecode.outputs import SpecStats, Timing
 from specdecode.sampling import SamplingParams, logits_to_probs, sample
 from specdecode.tree import DraftTree

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdecode.models.transformer import Transformer, tree_mask
+from specdecode.attention import tree_mask
+from specdecode.models.transformer import Transformer
 from specdecode.tree import DraftTree
 
 torch.manual_seed(0)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdecode.attention import AttentionPlan, Segment
 from specdecode.errors import SpecDecodeError
 from specdecode.kv_cache import KVCache
 from specdecode.models.config import ModelConfig
@@ -30,7 +31,7 @@ class Dense(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
+        self.weight_t = nn.Parameter(torch.empty(in_features, out_features).normal_(0, 0.02))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,41 +118,17 @@ class Block(nn.Module):
         x: torch.Tensor,  # (B, T, C)
         cos: torch.Tensor,  # (B, 1, T, D)
         sin: torch.Tensor,  # (B, 1, T, D)
-        cache: KVCache,
-        start: int,
-        mask: torch.Tensor | None,  # (T, start+T) bool, True = attend; None = causal chain
+        plan: AttentionPlan,
     ) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.qkv(self.attn_norm(x)).split(self.split, dim=-1)
         q = apply_rotary(q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
         k = apply_rotary(k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2), cos, sin)
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        keys, values = cache.write(self.index, k, v, start)  # (B, H_kv, start+T, D)
-        gqa = self.n_kv != self.n_heads
-        if mask is None and t > 1 and start == 0:
-            att = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
-        else:
-            if mask is None and t > 1:
-                mask = causal_mask(start, t, x.device)
-            att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+        att = plan.attend(self.index, q, k, v)  # (B, H, T, D)
         x = x + self.o(att.transpose(1, 2).reshape(b, t, -1))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
-
-
-def causal_mask(start: int, t: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """(T, start+T) bool: new token i sees the cached prefix and new tokens 0..i."""
-    cols = torch.arange(start + t, device=device)
-    rows = torch.arange(t, device=device).unsqueeze(1) + start
-    return cols <= rows
-
-
-def tree_mask(start: int, ancestors: torch.Tensor) -> torch.Tensor:
-    """(T, start+T) bool from a tree's (T, T) ancestor-or-self mask: every new token sees the whole
-    cached prefix, and among the new tokens only its own root-to-node path."""
-    t = ancestors.shape[0]
-    prefix = torch.ones(t, start, dtype=torch.bool, device=ancestors.device)
-    return torch.cat([prefix, ancestors.bool()], dim=1)
 
 
 class Transformer(nn.Module):
@@ -161,9 +138,11 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Tied embeddings are copied, transposed, into the head: the two layouts cannot share storage.
-        self.lm_head = Dense(config.hidden_size, config.vocab_size)
+        # A tied head is the embedding itself, read through `head_weight_t` (see there).
+        self.lm_head = None if config.tie_word_embeddings else Dense(config.hidden_size, config.vocab_size)
         self.rotary = Rotary(config)
+        self._tied_key: tuple[int, int] | None = None
+        self._tied_t: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -184,20 +163,43 @@ class Transformer(nn.Module):
         cache: KVCache,
         mask: torch.Tensor | None = None,  # (T, cache.length+T) bool; None = causal chain
     ) -> torch.Tensor:
-        """Run new tokens over the cached prefix, append their keys/values to the cache, and return
-        their final hidden states (B, T, C), after the last norm."""
-        t = input_ids.shape[1]
-        start = cache.reserve(t)
+        """Run new tokens of one sequence over its cached prefix, append their keys/values to the
+        cache, and return their final hidden states (B, T, C), after the last norm."""
+        return self.forward_plan(
+            input_ids, positions, AttentionPlan([Segment.append(cache, input_ids.shape[1], mask)])
+        )
+
+    def forward_plan(
+        self,
+        input_ids: torch.Tensor,  # (B, T) long
+        positions: torch.Tensor,  # (B, T) long
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        """Run a forward described by `plan` (several sequences' segments in one row, for batching);
+        every segment's cache advances past its tokens. Returns hidden states (B, T, C)."""
         cos, sin = self.rotary(positions, self.dtype)
         x = self.embed(input_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin, cache, start, mask)
-        cache.length = start + t
+            x = layer(x, cos, sin, plan)
+        plan.commit()
         return self.norm(x)
+
+    def head_weight_t(self) -> torch.Tensor:
+        """The LM head as (C, V). A tied head is the embedding (V, C) transposed; the transposed
+        copy (faster to multiply, see `Dense`) is remade whenever the embedding's storage or
+        version changes, so the two can never disagree."""
+        if self.lm_head is not None:
+            return self.lm_head.weight_t
+        w = self.embed.weight
+        key = (w.data_ptr(), w._version)
+        if self._tied_t is None or self._tied_key != key:
+            self._tied_t, self._tied_key = w.detach().t().contiguous(), key
+        return self._tied_t
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., C) hidden states -> (..., V) float32 logits."""
-        return self.lm_head(hidden).float()
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return (flat @ self.head_weight_t()).view(*hidden.shape[:-1], -1).float()
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -216,12 +218,9 @@ class Transformer(nn.Module):
             return torch.cat([take(n) for n in names]).t()
 
         embed = take("model.embed_tokens.weight")
-        head = embed if cfg.tie_word_embeddings else hf.get("lm_head.weight", embed)
-        ours: dict[str, torch.Tensor] = {
-            "embed.weight": embed,
-            "norm.weight": take("model.norm.weight"),
-            "lm_head.weight_t": head.t(),
-        }
+        ours: dict[str, torch.Tensor] = {"embed.weight": embed, "norm.weight": take("model.norm.weight")}
+        if not cfg.tie_word_embeddings:  # some untied checkpoints still omit the head
+            ours["lm_head.weight_t"] = hf.get("lm_head.weight", embed).t()
         for i in range(cfg.num_layers):
             p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
             ours[f"layers.{i}.attn_norm.weight"] = take(p + "input_layernorm.weight")
