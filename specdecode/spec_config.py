@@ -47,11 +47,14 @@ class PromptLookupConfig:
     """Draft by copying what followed the most recent earlier occurrence of the last n-gram.
 
     With `draft_model` set, the draft model drafts whenever lookup finds no match.
+    `num_candidates` > 1 verifies the continuations of several earlier occurrences at once (a
+    tree; our extension of the method, same output, more tokens accepted per step).
     """
 
     method: ClassVar[str] = "prompt_lookup"
     prompt_lookup_num_tokens: int = 4
     max_matching_ngram_size: int = 2
+    num_candidates: int = 1
     draft_model: str | None = None
     num_draft_tokens: int = 4
     use_draft_logits: bool = True
@@ -59,6 +62,7 @@ class PromptLookupConfig:
     def __post_init__(self) -> None:
         _positive(self.method, "prompt_lookup_num_tokens", self.prompt_lookup_num_tokens)
         _positive(self.method, "max_matching_ngram_size", self.max_matching_ngram_size)
+        _positive(self.method, "num_candidates", self.num_candidates)
         _positive(self.method, "num_draft_tokens", self.num_draft_tokens)
         if self.draft_model is not None and (not isinstance(self.draft_model, str) or not self.draft_model):
             raise SpecDecodeError("prompt_lookup: draft_model must name a model (short name or path)")
@@ -107,9 +111,72 @@ class LookaheadConfig:
             )
 
 
-SpecConfig = DraftModelConfig | PromptLookupConfig | LookaheadConfig
+@dataclass(frozen=True)
+class MedusaConfig:
+    """Medusa heads on the target's last hidden state draft a tree of their top-k guesses.
+
+    `heads`: a heads directory (specdecode's layout or the Medusa reference's); None = the heads
+    shipped for the target model. `medusa_choices`: the tree as paths of top-k ranks, in either
+    the all-candidates or the leaf-paths-only form (`[[0], [0, 0], [1]]`: the heads' best and
+    second-best guesses for the next token, and the best for the one after the best); None = the
+    tree fitted to the heads at training time, else a default for their number of heads.
+
+    `typical_acceptance`: verify sampled requests with Medusa's typical acceptance instead of
+    exact speculative sampling. This is LOSSY: the output no longer follows the target
+    distribution (it accepts every plausible draft token). Greedy decoding is unaffected.
+    `posterior_threshold` (epsilon, default 0.09) and `posterior_alpha` (delta, default 0.3)
+    set its acceptance bar min(epsilon, delta * exp(-entropy)); they require typical_acceptance.
+    """
+
+    method: ClassVar[str] = "medusa"
+    heads: str | None = None
+    medusa_choices: tuple[tuple[int, ...], ...] | None = None
+    typical_acceptance: bool = False
+    posterior_threshold: float | None = None
+    posterior_alpha: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.heads is not None and (not isinstance(self.heads, str) or not self.heads):
+            raise SpecDecodeError("medusa: heads must be a path to a heads directory")
+        if self.medusa_choices is not None:
+            choices = self.medusa_choices
+            if not isinstance(choices, list | tuple) or not all(isinstance(c, list | tuple) for c in choices):
+                raise SpecDecodeError(
+                    f"medusa: medusa_choices must be a list of lists of top-k ranks, got {choices!r}"
+                )
+            from specdecode.tree import from_choices
+
+            from_choices(choices)  # empty paths, negative or non-integer ranks
+            # Stored as tuples: the settings object stays immutable and hashable.
+            object.__setattr__(self, "medusa_choices", tuple(tuple(c) for c in choices))
+        if not isinstance(self.typical_acceptance, bool):
+            raise SpecDecodeError(
+                f"medusa: typical_acceptance must be true or false, got {self.typical_acceptance!r}"
+            )
+        for name, low, high in (("posterior_threshold", 0.0, 1.0), ("posterior_alpha", 0.0, 1.0)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not self.typical_acceptance:
+                raise SpecDecodeError(f"medusa: {name} only applies with typical_acceptance true")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not low < value <= high:
+                raise SpecDecodeError(
+                    f"medusa: {name} must be a number in ({low:g}, {high:g}], got {value!r}"
+                )
+
+    @property
+    def typical(self) -> tuple[float, float] | None:
+        """(posterior_threshold, posterior_alpha) when typical acceptance is on, else None."""
+        if not self.typical_acceptance:
+            return None
+        threshold = 0.09 if self.posterior_threshold is None else float(self.posterior_threshold)
+        alpha = 0.3 if self.posterior_alpha is None else float(self.posterior_alpha)
+        return threshold, alpha
+
+
+SpecConfig = DraftModelConfig | PromptLookupConfig | LookaheadConfig | MedusaConfig
 METHODS: dict[str, type[SpecConfig]] = {
-    cls.method: cls for cls in (DraftModelConfig, PromptLookupConfig, LookaheadConfig)
+    cls.method: cls for cls in (DraftModelConfig, PromptLookupConfig, LookaheadConfig, MedusaConfig)
 }
 ALIASES = {"max_draft_len": "num_draft_tokens"}
 

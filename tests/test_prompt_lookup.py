@@ -257,3 +257,22 @@ def test_greedy_lookup_with_the_target_as_fallback_accepts_everything(target: Tr
     fallback_steps = [n for source, n in steps[:-1] if source == "fallback"]
     assert fallback_steps and all(n == 4 for n in fallback_steps), steps
     assert any(source == "lookup" for source, _ in steps), steps
+
+
+def test_candidates_are_distinct_continuations_longest_ngram_first() -> None:
+    from specdecode.drafters.prompt_lookup import PromptLookupDrafter, candidate_tree
+    from specdecode.spec_config import PromptLookupConfig
+
+    drafter = PromptLookupDrafter(
+        PromptLookupConfig(prompt_lookup_num_tokens=4, max_matching_ngram_size=2, num_candidates=3)
+    )
+    #        0  1  2  3  4  5  6  7  8  9 10 11 12 13
+    ids = [7, 1, 2, 3, 9, 1, 2, 5, 6, 8, 2, 4, 1, 2]
+    # suffix bigram (1, 2) occurred ending at 7 (-> 5 6 8 2) and at 3 (-> 3 9 1 2); unigram (2,)
+    # also at 11 (-> 4 1 2); candidates after the first are at most 4 // 2 = 2 tokens long
+    assert drafter.lookup_candidates(ids, room=100) == [[5, 6, 8, 2], [3, 9], [4, 1]]
+    assert drafter.lookup_candidates(ids, room=5) == [[5, 6, 8, 2], [3]]
+    tree = candidate_tree([[5, 6, 8, 2], [3, 9], [4, 1]])
+    assert tree.tokens.tolist() == [5, 6, 8, 2, 3, 9, 4, 1]
+    assert tree.parents.tolist() == [0, 1, 2, 3, 0, 5, 0, 7]
+    assert drafter.max_nodes == 4 + 2 * 2

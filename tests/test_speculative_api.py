@@ -35,6 +35,7 @@ def methods(draft: Path) -> list[dict]:
     return [
         {"method": "prompt_lookup"},
         {"method": "prompt_lookup", "prompt_lookup_num_tokens": 6, "max_matching_ngram_size": 3},
+        {"method": "prompt_lookup", "num_candidates": 3, "max_matching_ngram_size": 3},
         {"method": "draft_model", "draft_model": str(draft), "num_draft_tokens": 3},
         {"method": "draft_model", "draft_model": str(draft), "max_draft_len": 5, "use_draft_logits": False},
         {"method": "prompt_lookup", "draft_model": str(draft)},

@@ -5,9 +5,14 @@ the prompt or of themselves. Matching the last few tokens against the text so fa
 what came next there costs no model at all, so its draft is free; a wrong draft only wastes
 verification slots, never correctness (the tokens are point masses, verified exactly).
 
+The most recent occurrence is often not the one the target continues (a summary reuses "the"
+and "of the" everywhere), so with `num_candidates` > 1 the draft is a tree: the continuations of
+several occurrences whose first tokens differ, longest n-gram first, then most recent. The target
+checks them all in the one forward; the extra root children cost only verification width.
+
 The search runs every step over a sequence of up to thousands of tokens, so it is an index, not a
-scan: a dictionary from each n-gram (n = 1..max_matching_ngram_size) to the end of its most recent
-occurrence. It is brought up to date lazily, at the start of `propose`, with the n-grams ending at
+scan: a dictionary from each n-gram (n = 1..max_matching_ngram_size) to the ends of its most
+recent occurrences. It is brought up to date lazily, at the start of `propose`, with the n-grams ending at
 the tokens added since the previous call: O(new tokens x max n-gram size) per step, O(1) per
 lookup. It is updated in `propose` rather than `observe` because the engine does not call
 `observe` after a step with an empty draft.
@@ -41,13 +46,18 @@ class PromptLookupDrafter(Drafter):
     def __init__(self, config: PromptLookupConfig, fallback: Drafter | None = None) -> None:
         self.num_tokens = config.prompt_lookup_num_tokens
         self.max_ngram = config.max_matching_ngram_size
+        self.num_candidates = config.num_candidates
+        # Candidates after the first are shorter: they are less likely, and each token widens the
+        # verification forward.
+        self.other_tokens = max(1, self.num_tokens // 2)
         self.fallback = fallback
         # The engine sizes the request's cache from max_nodes before `begin`: reserve for
         # whichever of the two may draft more.
-        self.max_nodes = max(self.num_tokens, fallback.max_nodes if fallback is not None else 0)
-        # n-gram (as a tuple) -> end (exclusive) of its most recent occurrence that ends at or
-        # before `_indexed`.
-        self._last_end: dict[tuple[int, ...], int] = {}
+        lookup_nodes = self.num_tokens + (self.num_candidates - 1) * self.other_tokens
+        self.max_nodes = max(lookup_nodes, fallback.max_nodes if fallback is not None else 0)
+        # n-gram (as a tuple) -> ends (exclusive) of its most recent occurrences, newest first, at
+        # most `num_candidates`, all at or before `_indexed`.
+        self._last_end: dict[tuple[int, ...], list[int]] = {}
         self._indexed = 0
         # Which source produced the latest proposal: "lookup", "fallback" or "none" (for stats).
         self.last_source = "none"
@@ -68,10 +78,10 @@ class PromptLookupDrafter(Drafter):
         if room <= 0:
             self.last_source = "none"
             return Proposal(DraftTree.empty())
-        tokens = self.lookup(ids, min(self.num_tokens, room))
-        if tokens:
+        candidates = self.lookup_candidates(ids, room)
+        if candidates:
             self.last_source = "lookup"
-            return Proposal(DraftTree.chain(tokens))
+            return Proposal(candidate_tree(candidates))
         if self.fallback is not None:
             self.last_source = "fallback"
             return self.fallback.propose(req)
@@ -89,14 +99,39 @@ class PromptLookupDrafter(Drafter):
     def lookup(self, ids: list[int], max_tokens: int) -> list[int]:
         """Up to `max_tokens` tokens that followed the most recent earlier occurrence of the
         longest suffix n-gram of `ids` (n from max_matching_ngram_size down to 1); [] if none."""
+        found = self._continuations(ids, max_tokens, 1)
+        return found[0] if found else []
+
+    def lookup_candidates(self, ids: list[int], room: int) -> list[list[int]]:
+        """The continuations to verify: the best one up to `prompt_lookup_num_tokens` long, then up
+        to `num_candidates - 1` shorter ones with other first tokens; at most `room` tokens in all."""
+        found = self._continuations(ids, self.num_tokens, self.num_candidates)
+        out: list[list[int]] = []
+        for i, cont in enumerate(found):
+            cont = cont[: min(self.num_tokens if i == 0 else self.other_tokens, room)]
+            if not cont:
+                break
+            out.append(cont)
+            room -= len(cont)
+        return out
+
+    def _continuations(self, ids: list[int], max_tokens: int, limit: int) -> list[list[int]]:
+        """Up to `limit` continuations (each up to `max_tokens`) of earlier occurrences of suffix
+        n-grams, longest n first, newest first, with pairwise different first tokens."""
         self._catch_up(ids)
         length = len(ids)
+        found: list[list[int]] = []
+        firsts: set[int] = set()
         # An earlier occurrence ends at or before length-1, so it needs n <= length-1.
         for n in range(min(self.max_ngram, length - 1), 0, -1):
-            end = self._last_end.get(tuple(ids[length - n :]))
-            if end is not None:
-                return ids[end : end + max_tokens]
-        return []
+            for end in self._last_end.get(tuple(ids[length - n :]), ()):
+                cont = ids[end : end + max_tokens]
+                if cont[0] not in firsts:
+                    firsts.add(cont[0])
+                    found.append(cont)
+                    if len(found) == limit:
+                        return found
+        return found
 
     def _catch_up(self, ids: list[int]) -> None:
         """Index the n-grams ending at positions `_indexed+1 .. len(ids)-1` (exclusive ends).
@@ -107,7 +142,21 @@ class PromptLookupDrafter(Drafter):
             self._last_end.clear()
             self._indexed = 0
         index = self._last_end
+        keep = self.num_candidates
         for end in range(self._indexed + 1, len(ids)):
             for n in range(1, min(self.max_ngram, end) + 1):
-                index[tuple(ids[end - n : end])] = end
+                ends = index.setdefault(tuple(ids[end - n : end]), [])
+                ends.insert(0, end)
+                del ends[keep:]
         self._indexed = max(self._indexed, len(ids) - 1)
+
+
+def candidate_tree(candidates: list[list[int]]) -> DraftTree:
+    """A tree whose root children start the candidate chains (first tokens pairwise distinct)."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    for cont in candidates:
+        for j, token in enumerate(cont):
+            parents.append(0 if j == 0 else len(tokens))  # node numbers start at 1
+            tokens.append(token)
+    return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
