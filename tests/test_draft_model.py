@@ -232,7 +232,9 @@ def test_check_vocabularies() -> None:
     check_vocabularies(
         tokenizer([*base, "x"]), tokenizer([*base, "y"]), target_vocab_size=5, draft_vocab_size=6
     )
-    with pytest.raises(SpecDecodeError, match=r"'small-draft'.*'big-target'.*'c'"):
+    with pytest.raises(
+        SpecDecodeError, match=r"'small-draft'.*'big-target'.*id 3 is 'c' in the target, 'C' in the draft"
+    ):
         check_vocabularies(
             tokenizer(base),
             tokenizer(["<unk>", "a", "b", "C", "d"]),

@@ -187,15 +187,15 @@ def check_vocabularies(
     """
     sizes = [s for s in (target_vocab_size, draft_vocab_size) if s is not None]
     limit = min(sizes) if sizes else min(target_tokenizer.vocab_size, draft_tokenizer.vocab_size)
-    target = {tok: i for tok, i in target_tokenizer.get_vocab().items() if i < limit}
-    draft = {tok: i for tok, i in draft_tokenizer.get_vocab().items() if i < limit}
-    if target == draft:
+    target = {i: tok for tok, i in target_tokenizer.get_vocab().items() if i < limit}
+    draft = {i: tok for tok, i in draft_tokenizer.get_vocab().items() if i < limit}
+    differing = sorted(i for i in target.keys() | draft.keys() if target.get(i) != draft.get(i))
+    if not differing:
         return
-    differing = sorted(set(target.items()) ^ set(draft.items()), key=lambda item: item[1])
-    example = differing[0][0]
+    first = differing[0]
     raise SpecDecodeError(
         f"draft model {draft_name!r} does not share the vocabulary of target model {target_name!r}: "
-        f"{len(differing)} token/id pairs differ among ids below {limit} (e.g. {example!r}: "
-        f"target id {target.get(example)}, draft id {draft.get(example)}); "
+        f"{len(differing)} of the first {limit} token ids differ (e.g. id {first} is "
+        f"{target.get(first)!r} in the target, {draft.get(first)!r} in the draft); "
         "choose a draft model from the target's family"
     )
