@@ -21,7 +21,7 @@ from specdecode.models.transformer import Transformer
 from specdecode.outputs import SpecStats, Timing
 from specdecode.sampling import SamplingParams, logits_to_probs, sample
 from specdecode.tree import DraftTree
-from specdecode.verify import Verdict, verify_greedy, verify_sampling
+from specdecode.verify import Verdict, greedy_walk, verify_sampling
 
 PREFILL_CHUNK = 512  # prompt tokens per forward: bounds the attention scores' memory
 
@@ -119,12 +119,11 @@ class Engine:
         start = req.cache.length
         ids = torch.tensor([[req.root]], device=self.model.device)  # (1, 1)
         positions = torch.tensor([[start]], device=self.model.device)  # (1, 1)
-        logits = self.model.logits(self.model(ids, positions, req.cache)[0, -1])  # (V,)
+        hidden = self.model(ids, positions, req.cache)[0]  # (1, C)
         if req.params.greedy:
-            token = int(logits.argmax())
-        else:
-            token = sample(logits_to_probs(logits, req.params), req.generator)
-        return [token]
+            return self.model.greedy_tokens(hidden)
+        logits = self.model.logits(hidden[-1])  # (V,)
+        return [sample(logits_to_probs(logits, req.params), req.generator)]
 
     def _speculative_step(self, req: Request, proposal: Proposal) -> tuple[list[int], StepResult]:
         device = self.model.device
@@ -157,11 +156,10 @@ class Engine:
         """`verify_greedy`, running the LM head on the root row first. On a small model the head
         costs about a third of a forward and several rows cost much more than one; when no child
         of the root is the target's choice (the most common outcome) that one row decides."""
-        first = self.model.logits(hidden[:1])  # (1, V)
-        best = int(first[0].argmax())
-        if not bool((tree.tokens[tree.parents == 0] == best).any()):
-            return Verdict([], [best])
-        return verify_greedy(tree, torch.cat([first, self.model.logits(hidden[1:])]))  # hidden (N+1, C)
+        best = self.model.greedy_tokens(hidden[:1])  # hidden (N+1, C)
+        if not bool((tree.tokens[tree.parents == 0] == best[0]).any()):
+            return Verdict([], best)
+        return greedy_walk(tree, best + self.model.greedy_tokens(hidden[1:]))
 
     def generate(self, req: Request) -> Iterator[list[int]]:
         """Run `req` until it finishes (or the caller stops iterating and sets `finish_reason`),

@@ -74,7 +74,12 @@ def verify_greedy(tree: DraftTree, target_logits: Tensor) -> Verdict:
     first maximal index).
     """
     _check_rows(tree, target_logits, "target_logits")
-    best = target_logits.argmax(dim=-1).tolist()  # N+1 ints
+    return greedy_walk(tree, target_logits.argmax(dim=-1).tolist())
+
+
+def greedy_walk(tree: DraftTree, best: list[int]) -> Verdict:
+    """`verify_greedy` given `best[i]`, the target's greedy token after node i (N+1 ints), for
+    callers that obtain the argmax without materialising every row's logits."""
     children = tree.children()
     draft = tree.tokens.tolist()
     accepted: list[int] = []
@@ -189,3 +194,62 @@ def verify_sampling(
             return Verdict(accepted, [draft[c - 1] for c in accepted] + [last])
         accepted.append(chosen)
         node = chosen
+
+
+def verify_typical(
+    tree: DraftTree,
+    target_probs: Tensor,
+    generator: torch.Generator | None = None,
+    posterior_threshold: float = 0.09,
+    posterior_alpha: float = 0.3,
+) -> Verdict:
+    """Medusa's *typical acceptance*: LOSSY, an explicit opt-in, never a default.
+
+    Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding
+    Heads", Sec. 2.3.1. A draft token x following forward index i is *typical* when
+    `p_i(x) > min(posterior_threshold, posterior_alpha * exp(-H(p_i)))`, with p_i =
+    `target_probs[i]` (already temperature/top-k/top-p processed) and H its entropy. The verdict
+    accepts the deepest path of typical tokens (ties: the path of largest prod p_i(x), then the
+    smallest node index), then samples one token from the target row where the path ends.
+
+    Why it is lossy: a typical token is accepted with probability 1 however likely the target
+    makes it, and a recovered token is drawn from the full row rather than the residual. With
+    p = (0.6, 0.4) and a draft of the second token, this emits it every time instead of 40% of
+    the time. Emitted text stays plausible (every token clears the threshold) and steps accept
+    more, which is the trade Medusa makes for speed; `verify_sampling` is the exact one.
+    Greedy decoding never uses this (`verify_greedy` is exact and already accepts the most).
+    """
+    _check_rows(tree, target_probs, "target_probs")
+    n = tree.num_nodes
+    dtype = torch.promote_types(target_probs.dtype, torch.float32)
+    probs = target_probs.to(dtype)  # (N+1, V)
+    entropy = -torch.special.xlogy(probs, probs).sum(-1)  # (N+1,)
+    threshold = torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold)  # (N+1,)
+    parents_d = tree.parents.to(probs.device)  # (N,)
+    p_draft = probs[parents_d, tree.tokens.to(probs.device)]  # (N,) p of each node's token
+    typical = (p_draft > threshold[parents_d]).tolist()
+    log_p = torch.log(p_draft).tolist()
+    parents = [0, *tree.parents.tolist()]
+    # Nodes come in topological order, so one pass gives each node's path length and likelihood.
+    ok = [True] + [False] * n
+    depth = [0] * (n + 1)
+    score = [0.0] * (n + 1)
+    best = 0
+    for node in range(1, n + 1):
+        parent = parents[node]
+        ok[node] = ok[parent] and typical[node - 1]
+        if not ok[node]:
+            continue
+        depth[node] = depth[parent] + 1
+        score[node] = score[parent] + log_p[node - 1]
+        if (depth[node], score[node]) > (depth[best], score[best]):
+            best = node
+    path: list[int] = []
+    node = best
+    while node != 0:
+        path.append(node)
+        node = parents[node]
+    path.reverse()
+    draft = tree.tokens.tolist()
+    last = int(torch.multinomial(probs[best], 1, generator=generator))
+    return Verdict(path, [draft[c - 1] for c in path] + [last])

@@ -128,3 +128,28 @@ def test_bfloat16_runs_and_stays_close(tiny_model_dir: Path) -> None:
     a, b = full_logits(f32, ids), full_logits(bf16, ids)
     assert b.dtype == torch.float32
     assert (a.softmax(-1) - b.softmax(-1)).abs().max() < 0.05
+
+
+def test_screened_greedy_tokens_equal_full_argmax(tiny_model_dir: Path) -> None:
+    model = Transformer.from_dir(tiny_model_dir)
+    ids = torch.randint(0, 96, (1, 40))
+    with torch.inference_mode():
+        hidden = model(ids, torch.arange(40)[None], model.new_cache(48))[0]  # (40, C)
+        random_rows = torch.randn(64, hidden.shape[1]) * 3
+        for rows in (hidden, random_rows, hidden[:1]):
+            assert model.greedy_tokens(rows) == model.logits(rows).argmax(-1).tolist()
+
+
+def test_screened_greedy_tokens_resolve_near_ties_exactly(tmp_path: Path) -> None:
+    """Two head rows 1e-6 apart: bfloat16 cannot tell them apart, the float32 recheck must."""
+    from tests.tiny import make_tiny_hf
+
+    make_tiny_hf("qwen2", tmp_path)  # untied head
+    model = Transformer.from_dir(tmp_path)
+    head_t = model.head_weight_t()  # (C, V)
+    with torch.no_grad():
+        head_t[:, 7] = head_t[:, 5] + 1e-6 * torch.randn(head_t.shape[0])
+    x = head_t[:, 5].clone().unsqueeze(0) * 50  # both 5 and 7 score highest, almost equally
+    expected = model.logits(x).argmax(-1).tolist()
+    assert expected[0] in (5, 7)
+    assert model.greedy_tokens(x) == expected

@@ -48,7 +48,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the weights' dtype, as the reference implementations do.
+        if x.dtype == torch.float32:  # one fused kernel instead of six: decoding is op-bound too
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Lower precision: normalise in float32, then scale in the weights' dtype, as the
+        # reference implementations do.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -105,7 +108,6 @@ class Block(nn.Module):
         self.index = index
         self.n_heads, self.n_kv, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        self.split = (q_dim, kv_dim, kv_dim)
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.qkv = Dense(config.hidden_size, q_dim + 2 * kv_dim, bias=config.attention_bias)
         self.o = Dense(q_dim, config.hidden_size)
@@ -121,10 +123,11 @@ class Block(nn.Module):
         plan: AttentionPlan,
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).split(self.split, dim=-1)
-        q = apply_rotary(q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
-        k = apply_rotary(k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2), cos, sin)
-        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        qkv = self.qkv(self.attn_norm(x)).view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
+        # q and k heads are rotated together: one set of elementwise ops for both
+        qk = apply_rotary(qkv[:, :, : self.n_heads + self.n_kv].transpose(1, 2), cos, sin)
+        q, k = qk.split([self.n_heads, self.n_kv], dim=1)  # (B, H, T, D), (B, H_kv, T, D)
+        v = qkv[:, :, self.n_heads + self.n_kv :].transpose(1, 2)  # (B, H_kv, T, D)
         att = plan.attend(self.index, q, k, v)  # (B, H, T, D)
         x = x + self.o(att.transpose(1, 2).reshape(b, t, -1))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
@@ -143,6 +146,8 @@ class Transformer(nn.Module):
         self.rotary = Rotary(config)
         self._tied_key: tuple[int, int] | None = None
         self._tied_t: torch.Tensor | None = None
+        self._screen_key: tuple[int, int] | None = None
+        self._screen: tuple[torch.Tensor, float, float] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -190,11 +195,63 @@ class Transformer(nn.Module):
         version changes, so the two can never disagree."""
         if self.lm_head is not None:
             return self.lm_head.weight_t
-        w = self.embed.weight
-        key = (w.data_ptr(), w._version)
+        key = self._head_key()
         if self._tied_t is None or self._tied_key != key:
-            self._tied_t, self._tied_key = w.detach().t().contiguous(), key
+            with torch.inference_mode(False), torch.no_grad():  # a normal tensor, usable anywhere
+                self._tied_t = self.embed.weight.detach().t().contiguous()
+            self._tied_key = key
         return self._tied_t
+
+    def _head_key(self) -> tuple[int, int]:
+        """Identity of the LM head's source parameter: its storage and in-place version."""
+        w = self.embed.weight if self.lm_head is None else self.lm_head.weight_t
+        return w.data_ptr(), w._version
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int]:
+        """Exact `logits(hidden).argmax(-1)` for (M, C) hidden states, reading half the bytes.
+
+        On CPU in float32 the LM head is the largest matrix and, for a few rows, slow: a bfloat16
+        copy screens every token, and only the tokens whose screened logit could still be the
+        maximum (within a rigorous bound on the bfloat16 error) are recomputed in float32. The
+        bound covers rounding the weights (max row error norm), the input (its error norm),
+        the output (2^-8 relative) and float32 accumulation; a row with too many candidates
+        falls back to the full float32 product."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if self.dtype != torch.float32 or flat.device.type != "cpu":
+            return self.logits(flat).argmax(-1).tolist()
+        head, err_max, norm_max = self._screening_head()
+        x = flat.float()  # (M, C)
+        xb = x.bfloat16()
+        approx = F.linear(xb, head).float()  # (M, V)
+        top = approx.max(-1).values  # (M,)
+        xn, dxn = x.norm(dim=-1), (x - xb.float()).norm(dim=-1)  # (M,)
+        bound = (
+            xn * err_max + dxn * norm_max + 1e-4 * xn * norm_max + approx.abs().max(-1).values / 128 + 1e-5
+        )
+        candidates = approx >= (top - 2 * bound).unsqueeze(1)  # (M, V)
+        head_t = self.head_weight_t()  # (C, V)
+        out = []
+        for r in range(x.shape[0]):
+            idx = candidates[r].nonzero().squeeze(1)  # (K,) ascending: ties go to the lowest id
+            if idx.numel() > 256:
+                out.append(int((x[r] @ head_t).argmax()))
+            else:
+                out.append(int(idx[(x[r] @ head_t[:, idx]).argmax()]))
+        return out
+
+    def _screening_head(self) -> tuple[torch.Tensor, float, float]:
+        """bfloat16 LM head (V, C) with its max row rounding-error norm and max row norm, remade
+        when the float32 head changes (same rule as the tied head)."""
+        key = self._head_key()
+        if self._screen_key != key:
+            with torch.inference_mode(False), torch.no_grad():
+                w = self.head_weight_t().detach().t()  # (V, C)
+                head = w.bfloat16().contiguous()
+                err_max = float((w - head.float()).norm(dim=-1).max())
+                norm_max = float(head.float().norm(dim=-1).max())
+            self._screen, self._screen_key = (head, err_max, norm_max), key
+        assert self._screen is not None
+        return self._screen
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., C) hidden states -> (..., V) float32 logits."""
