@@ -1,4 +1,4 @@
-"""Command line: `specdecode generate | models list | models fetch | bench | bench-runtime`.
+"""Command line: `specdecode generate | models list | models fetch | bench | bench-runtime | train`.
 
 Bad input is reported as one line on stderr (`specdecode: error: ...`) with exit status 2,
 never a traceback.
@@ -52,15 +52,50 @@ def _lookahead(text: str) -> tuple[int, int, int]:
     return w, n, g
 
 
+def _choices_json(text: str) -> list[list[int]]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON list of lists such as [[0],[0,0],[1]], got {text!r}"
+        ) from None
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON list of lists such as [[0],[0,0],[1]], got {text!r}"
+        )
+    return value
+
+
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (options of other methods are an error)")
-    g.add_argument("--method", choices=["none", "draft_model", "prompt_lookup", "lookahead"], default=None)
+    g.add_argument(
+        "--method", choices=["none", "draft_model", "prompt_lookup", "lookahead", "medusa"], default=None
+    )
     g.add_argument("--draft-model", default=None, help="draft_model / prompt_lookup: the draft model")
     g.add_argument("--num-draft-tokens", "--max-draft-len", type=int, default=None, dest="num_draft_tokens")
     g.add_argument("--use-draft-logits", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--prompt-lookup-num-tokens", type=int, default=None)
     g.add_argument("--max-matching-ngram-size", type=int, default=None)
     g.add_argument("--lookahead", type=_lookahead, default=None, metavar="W,N,G")
+    g.add_argument(
+        "--heads", default=None, help="medusa: heads directory (default: those shipped for the model)"
+    )
+    g.add_argument(
+        "--medusa-choices", type=_choices_json, default=None, metavar="JSON", help="medusa: the tree"
+    )
+    g.add_argument(
+        "--typical-acceptance",
+        action="store_true",
+        default=None,
+        help="medusa: typical acceptance when sampling (LOSSY: output no longer follows the model)",
+    )
+    g.add_argument(
+        "--posterior-threshold", type=float, default=None, help="medusa: typical acceptance epsilon"
+    )
+    g.add_argument("--posterior-alpha", type=float, default=None, help="medusa: typical acceptance delta")
+
+
+MEDUSA_OPTIONS = ("heads", "medusa_choices", "typical_acceptance", "posterior_threshold", "posterior_alpha")
 
 
 def speculative_settings(args: argparse.Namespace) -> dict[str, object] | None:
@@ -72,6 +107,7 @@ def speculative_settings(args: argparse.Namespace) -> dict[str, object] | None:
         "use_draft_logits",
         "prompt_lookup_num_tokens",
         "max_matching_ngram_size",
+        *MEDUSA_OPTIONS,
     ):
         if getattr(args, name) is not None:
             spec[name] = getattr(args, name)
@@ -79,7 +115,10 @@ def speculative_settings(args: argparse.Namespace) -> dict[str, object] | None:
         spec["window_size"], spec["ngram_size"], spec["verification_set_size"] = args.lookahead
     method = args.method
     if method is None and spec:
-        method = "lookahead" if args.lookahead is not None else None
+        if args.lookahead is not None:
+            method = "lookahead"
+        elif any(name in spec for name in MEDUSA_OPTIONS):
+            method = "medusa"
     if method is None and not spec:
         return None
     return {"method": method, **spec}
@@ -152,6 +191,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
     main_args(args)
 
 
+def cmd_train_medusa(args: argparse.Namespace) -> None:
+    from specdecode.train.medusa import main_args
+
+    main_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -185,6 +230,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench_rt.add_argument("--repeats", type=_positive_int, default=5)
     bench_rt.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     bench_rt.set_defaults(func=cmd_bench_runtime)
+
+    train = sub.add_parser("train", help="train drafter heads on a target model's hidden states")
+    tsub = train.add_subparsers(dest="train_command", required=True)
+    medusa = tsub.add_parser("medusa", help="Medusa heads (Cai et al. 2024) from ShareGPT conversations")
+    from specdecode.train.medusa import add_args as add_medusa_args
+
+    add_medusa_args(medusa)
+    medusa.set_defaults(func=cmd_train_medusa)
     return parser
 
 

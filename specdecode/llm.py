@@ -9,6 +9,8 @@ print(outs[0].text, outs[0].token_ids)
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,10 +26,14 @@ from specdecode.sampling import SamplingParams
 from specdecode.spec_config import (
     DraftModelConfig,
     LookaheadConfig,
+    MedusaConfig,
     PromptLookupConfig,
     SpecConfig,
     parse_speculative,
 )
+
+if TYPE_CHECKING:
+    from specdecode.drafters.medusa import MedusaHeads
 
 DTYPES = {
     "float32": torch.float32,
@@ -135,6 +141,7 @@ class LLM:
         self.model = Transformer.from_dir(path, dtype=resolve_dtype(dtype), device=resolve_device(device))
         self.engine = Engine(self.model)
         self._draft_models: dict[str, Transformer] = {}
+        self._medusa_heads: dict[str, MedusaHeads] = {}
         if self.speculative is not None:
             self._drafter(self.speculative)  # load a draft model now and fail early on bad settings
 
@@ -165,6 +172,18 @@ class LLM:
             self._draft_models[name] = Transformer.from_dir(path, self.model.dtype, self.model.device)
         return self._draft_models[name]
 
+    def medusa_heads(self, path: str | None) -> MedusaHeads:
+        """Medusa heads from `path` (None: those shipped for this model), loaded once and checked
+        to fit the target's hidden size and vocabulary."""
+        from specdecode.drafters.medusa import check_fits, load_heads, shipped_heads
+
+        where = str(shipped_heads(self.model_name) if path is None else Path(path).expanduser().resolve())
+        if where not in self._medusa_heads:
+            heads = load_heads(where, self.model.dtype, self.model.device)
+            check_fits(heads, self.model, f"Medusa heads {where}")
+            self._medusa_heads[where] = heads
+        return self._medusa_heads[where]
+
     def _drafter(self, spec: SpecConfig | None) -> Drafter | None:
         """A fresh drafter for one request (drafters keep per-request state)."""
         vocab = self.model.config.vocab_size
@@ -186,6 +205,10 @@ class LLM:
             from specdecode.drafters.lookahead import LookaheadDrafter
 
             return None if spec.is_plain else LookaheadDrafter(spec)
+        if isinstance(spec, MedusaConfig):
+            from specdecode.drafters.medusa import MedusaDrafter
+
+            return MedusaDrafter(self.medusa_heads(spec.heads), self.model, spec.medusa_choices, spec.typical)
         raise AssertionError(f"no drafter for {spec!r}")
 
     # ---- prompts -------------------------------------------------------------------------------

@@ -1,0 +1,424 @@
+"""Medusa: K small heads on the target's last hidden state guess the next K tokens at once.
+
+Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding
+Heads". Head k (k = 0..K-1) maps the target's final hidden state h_t at position t, the row whose
+LM-head output is the token at t+1, to a distribution over the token at t+2+k.
+
+With specdecode's bookkeeping (the root is the last decided token, not yet run by the target),
+h_t is the row that *produced* the root: after a step, the row of the last accepted node, or of
+the root when nothing was accepted, whose target output is the step's bonus or recovered token,
+i.e. the next root. So head k guesses the token k+1 places after the root: depth k+1 of the
+draft tree. Worked example, prompt "A B C" (root C, cache [A B]): `begin` keeps h(B), whose
+LM-head output was C; head 0 guesses the token after C, head 1 the one after that.
+
+The tree is declared once as `medusa_choices` (paths of top-k ranks, `tree.from_choices`): a
+node at depth d with rank r holds head d-1's r-th most likely token, the same candidates under
+every parent, since the heads see only h_t. Tokens are deterministic top-k picks, so the lossless
+verifier treats them as point masses (draft_probs None): greedy output equals plain greedy
+decoding and sampling reproduces the target distribution. Medusa's typical acceptance
+(`verify.verify_typical`) trades that exactness for longer accepts, only when asked for.
+
+Checkpoints are directories, in one of two layouts:
+
+- specdecode's: `medusa.safetensors` + `config.json` (`method`, `num_heads`, `num_layers`,
+  `hidden_size`, `vocab_size`, `shared_lm_head`, `target`, optionally the `medusa_choices` fitted
+  at training time). Heads that share the target's LM head store no LM-head weights.
+- the Medusa reference implementation's: `medusa_lm_head.safetensors` (or `.pt`) holding
+  `{i}.{j}.linear.weight|bias` for head i's residual block j and `{i}.{num_layers}.weight` for its
+  own LM head, next to a `config.json` with `medusa_num_heads` / `medusa_num_layers`.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdecode.drafters.base import Drafter, Proposal, StepResult
+from specdecode.errors import SpecDecodeError
+from specdecode.models.transformer import Transformer
+from specdecode.tree import DraftTree, from_choices
+from specdecode.verify import verify_typical
+
+if TYPE_CHECKING:
+    from specdecode.engine import Request
+
+WEIGHTS = "medusa.safetensors"
+CONFIG = "config.json"
+REFERENCE_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+SHIPPED = Path(__file__).resolve().parents[1] / "heads"
+DEFAULT_TREE_NODES = 32  # one forward over 33 tokens costs ~2.7x one token for SmolLM2 on a CPU
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b). Built as the identity (W = 0, b = 0), so an untrained head is exactly
+    the LM head: training starts from "predict the next token" and learns the shift."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K heads of `num_layers` residual blocks each, then an LM head.
+
+    `shared_lm_head`: every head uses the target's LM head (passed to `forward`), so a checkpoint
+    holds only the blocks (K * C * (C+1) numbers, a few MB for SmolLM2) instead of K copies of a
+    V x C matrix. `choices` is the tree fitted to these heads when they were trained, if any.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_layers: int,
+        hidden_size: int,
+        vocab_size: int,
+        shared_lm_head: bool = True,
+        choices: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads < 1 or num_layers < 0:
+            raise SpecDecodeError(f"Medusa needs >= 1 head and >= 0 layers, got {num_heads}, {num_layers}")
+        self.num_heads, self.num_layers = num_heads, num_layers
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self.shared_lm_head = shared_lm_head
+        self.choices = None if choices is None else [list(c) for c in choices]
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*(ResBlock(hidden_size) for _ in range(num_layers))) for _ in range(num_heads)
+        )
+        self.lm_heads = (
+            None
+            if shared_lm_head
+            else nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads))
+        )
+
+    def features(self, hidden: Tensor, num_heads: int | None = None) -> Tensor:
+        """(..., C) target hidden states -> (K', ..., C) each head's input to its LM head."""
+        k = self.num_heads if num_heads is None else num_heads
+        return torch.stack([self.blocks[i](hidden) for i in range(k)])
+
+    def forward(
+        self, hidden: Tensor, shared_weight_t: Tensor | None = None, num_heads: int | None = None
+    ) -> Tensor:
+        """(..., C) target hidden states -> (K', ..., V) logits of the first K' heads.
+
+        `shared_weight_t` (C, V) is the target's LM head (`Transformer.head_weight_t()`),
+        required when the heads share it; the features are cast to its dtype and the logits
+        come in it, so a bfloat16 copy keeps the big matmul and what follows in bfloat16.
+        """
+        feats = self.features(hidden, num_heads)  # (K', ..., C)
+        if self.lm_heads is None:
+            if shared_weight_t is None:
+                raise ValueError("these heads share the target's LM head: pass its weight_t")
+            return feats.to(shared_weight_t.dtype) @ shared_weight_t
+        return torch.stack([self.lm_heads[i](f) for i, f in enumerate(feats)])
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "method": "medusa",
+            "num_heads": self.num_heads,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "shared_lm_head": self.shared_lm_head,
+        }
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def save_heads(
+    heads: MedusaHeads,
+    out: str | Path,
+    target: str,
+    dtype: torch.dtype = torch.float16,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write `heads` in specdecode's layout to the directory `out`; weights stored as `dtype`."""
+    from safetensors.torch import save_file
+
+    from specdecode.models.cache import atomic_file
+
+    out = Path(out)
+    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in heads.state_dict().items()}
+    with atomic_file(out / WEIGHTS) as tmp:
+        save_file(tensors, str(tmp))
+    config = {**heads.config(), "target": target, "dtype": str(dtype).removeprefix("torch.")}
+    if heads.choices is not None:
+        config["medusa_choices"] = heads.choices
+    config.update(extra or {})
+    # One key per line, each value on its line: a tree of 32 paths stays readable.
+    text = "{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in config.items()) + "\n}\n"
+    with atomic_file(out / CONFIG) as tmp:
+        tmp.write_text(text)
+    return out
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    file = path / CONFIG
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpecDecodeError(f"{file} is not valid JSON ({exc})") from None
+    return config if isinstance(config, dict) else {}
+
+
+def _read_tensors(file: Path) -> dict[str, Tensor]:
+    try:
+        if file.suffix == ".pt":
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        else:
+            from safetensors.torch import load_file
+
+            state = load_file(str(file))
+    except Exception as exc:  # safetensors and torch.load raise many types for a damaged file
+        raise SpecDecodeError(f"cannot read Medusa weights {file}: {exc}") from None
+    if not isinstance(state, dict):
+        raise SpecDecodeError(f"{file} does not hold a state dict")
+    return state
+
+
+def _load_state(heads: MedusaHeads, state: dict[str, Tensor], source: Path) -> None:
+    expected = heads.state_dict()
+    missing = sorted(expected.keys() - state.keys())
+    if missing:
+        raise SpecDecodeError(f"{source} is missing Medusa weights, e.g. {missing[0]!r}")
+    for name, param in expected.items():
+        if state[name].shape != param.shape:
+            raise SpecDecodeError(
+                f"{source}: weight {name} has shape {tuple(state[name].shape)}, expected {tuple(param.shape)}"
+            )
+    heads.load_state_dict({name: state[name] for name in expected})
+
+
+def _load_ours(path: Path, config: dict[str, Any]) -> MedusaHeads:
+    try:
+        heads = MedusaHeads(
+            int(config["num_heads"]),
+            int(config["num_layers"]),
+            int(config["hidden_size"]),
+            int(config["vocab_size"]),
+            bool(config.get("shared_lm_head", True)),
+            config.get("medusa_choices"),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SpecDecodeError(f"{path / CONFIG} is not a specdecode Medusa config ({exc!r})") from None
+    _load_state(heads, _read_tensors(path / WEIGHTS), path / WEIGHTS)
+    return heads
+
+
+def _load_reference(file: Path, config: dict[str, Any]) -> MedusaHeads:
+    """The Medusa reference layout: head i is `nn.Sequential(ResBlock * L, Linear(C, V))`, so its
+    blocks are `{i}.{j}.linear.*` and its LM head `{i}.{L}.weight`."""
+    state = _read_tensors(file)
+    try:
+        num_heads = int(config.get("medusa_num_heads") or 1 + max(int(k.split(".")[0]) for k in state))
+        num_layers = int(config.get("medusa_num_layers", 1))
+        vocab_size, hidden_size = state[f"0.{num_layers}.weight"].shape
+    except (KeyError, ValueError) as exc:
+        raise SpecDecodeError(f"{file} is not a Medusa reference checkpoint ({exc!r})") from None
+    heads = MedusaHeads(num_heads, num_layers, hidden_size, vocab_size, shared_lm_head=False)
+    renamed: dict[str, Tensor] = {}
+    for i in range(num_heads):
+        for j in range(num_layers):
+            for kind in ("weight", "bias"):
+                renamed[f"blocks.{i}.{j}.linear.{kind}"] = state.get(f"{i}.{j}.linear.{kind}")  # type: ignore[assignment]
+        renamed[f"lm_heads.{i}.weight"] = state.get(f"{i}.{num_layers}.weight")  # type: ignore[assignment]
+    _load_state(heads, {k: v for k, v in renamed.items() if v is not None}, file)
+    return heads
+
+
+def load_heads(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> MedusaHeads:
+    """Medusa heads from a directory in either layout (see the module docstring)."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise SpecDecodeError(f"Medusa heads {root}: no such directory")
+    config = _read_config(root)
+    if (root / WEIGHTS).is_file():
+        if config.get("method") != "medusa":
+            raise SpecDecodeError(f"{root / CONFIG} is missing or not a Medusa config (method != 'medusa')")
+        heads = _load_ours(root, config)
+    else:
+        found = [root / name for name in REFERENCE_WEIGHTS if (root / name).is_file()]
+        if not found:
+            raise SpecDecodeError(
+                f"no Medusa heads in {root}: expected {WEIGHTS} + {CONFIG} (specdecode) or "
+                f"{' / '.join(REFERENCE_WEIGHTS)} (Medusa reference)"
+            )
+        heads = _load_reference(found[0], config)
+    return heads.to(device=device, dtype=dtype).eval()
+
+
+def shipped_heads(model_name: str) -> Path:
+    """The heads directory shipped for the model `model_name` (a short name), or a clear error."""
+    path = SHIPPED / model_name / "medusa"
+    if (path / WEIGHTS).is_file():
+        return path
+    have = sorted(p.parent.name for p in SHIPPED.glob("*/medusa") if (p / WEIGHTS).is_file())
+    raise SpecDecodeError(
+        f"no Medusa heads ship for model {model_name!r} (shipped for: {', '.join(have) or 'none'}); "
+        f"train some with `specdecode train medusa --model {model_name} --data FILE --out DIR` "
+        "and pass heads=DIR"
+    )
+
+
+def check_fits(heads: MedusaHeads, target: Transformer, source: str = "Medusa heads") -> None:
+    """Heads read the target's hidden states and produce its token ids: both sizes must match."""
+    cfg = target.config
+    if heads.hidden_size != cfg.hidden_size or heads.vocab_size != cfg.vocab_size:
+        raise SpecDecodeError(
+            f"{source} were trained for another target: hidden size {heads.hidden_size}, vocabulary "
+            f"{heads.vocab_size}; this target has hidden size {cfg.hidden_size}, vocabulary {cfg.vocab_size}"
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# Trees
+
+
+def best_tree(rank_probs: Sequence[Sequence[float]], num_nodes: int) -> list[list[int]]:
+    """The `num_nodes` paths of largest acceptance probability, as medusa_choices.
+
+    `rank_probs[k][r]` is the probability that head k's r-th ranked token is the right one
+    (Medusa's tree construction, Sec. 2.2.1, assuming heads are right independently). A path's
+    probability is the product along it, and its expected contribution to τ; so the tree of
+    largest expected τ with n nodes is the n most probable paths. Ranks are made non-increasing
+    first, so a path's probability never exceeds its parent's or its elder sibling's and a
+    best-first walk (pop the best path; offer its first child and its next sibling) is exact and
+    yields a prefix-closed tree.
+    """
+    probs: list[list[float]] = []
+    for row in rank_probs:
+        cleaned, low = [], 1.0
+        for p in row:
+            low = min(low, max(float(p), 0.0))
+            cleaned.append(low)
+        probs.append(cleaned)
+    out: list[list[int]] = []
+    # Entries: (-probability, path, probability of the path's parent).
+    heap: list[tuple[float, list[int], float]] = []
+    if probs and probs[0]:
+        heap.append((-probs[0][0], [0], 1.0))
+    while heap and len(out) < num_nodes:
+        neg, path, above = heapq.heappop(heap)
+        out.append(path)
+        depth, rank = len(path) - 1, path[-1]
+        if rank + 1 < len(probs[depth]):
+            heapq.heappush(heap, (-above * probs[depth][rank + 1], [*path[:-1], rank + 1], above))
+        if depth + 1 < len(probs) and probs[depth + 1]:
+            heapq.heappush(heap, (neg * probs[depth + 1][0], [*path, 0], -neg))
+    return out
+
+
+def default_choices(num_heads: int, num_nodes: int = DEFAULT_TREE_NODES) -> list[list[int]]:
+    """A tree for heads that come without one: `best_tree` under assumed head accuracies.
+
+    Assumed: head k's top-1 is right 60% x 0.7^k of the time and each further rank half as often
+    as the one before, roughly what trained heads reach; the shape resembles Medusa's published
+    trees (wide at depth 1, a spine along the top-1 path).
+    """
+    ranks = [[0.6 * 0.7**k * 0.5**r for r in range(10)] for k in range(num_heads)]
+    return best_tree(ranks, num_nodes)
+
+
+def check_choices(choices: Sequence[Sequence[int]], num_heads: int, vocab_size: int) -> None:
+    """Choices must fit the heads: depth <= K (head d-1 drafts depth d) and ranks < V."""
+    from_choices(choices)  # structure: non-empty paths of non-negative integers
+    deep = [list(c) for c in choices if len(c) > num_heads]
+    if deep:
+        raise SpecDecodeError(
+            f"medusa_choices path {deep[0]} is {len(deep[0])} deep but the heads draft only "
+            f"{num_heads} tokens (one depth per head)"
+        )
+    wide = [list(c) for c in choices if max(c) >= vocab_size]
+    if wide:
+        raise SpecDecodeError(
+            f"medusa_choices path {wide[0]} asks for top-k rank {max(wide[0])}, beyond the "
+            f"vocabulary of {vocab_size} tokens"
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# The drafter
+
+
+class MedusaDrafter(Drafter):
+    """Drafts the Medusa tree from the hidden state of the row that produced the root.
+
+    Made per request. `choices` None: the heads' own fitted tree, else `default_choices`.
+    `typical` (posterior_threshold, posterior_alpha) switches sampled requests to typical
+    acceptance, which is LOSSY (see `verify.verify_typical`); None keeps exact verification.
+    """
+
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        target: Transformer,
+        choices: Sequence[Sequence[int]] | None = None,
+        typical: tuple[float, float] | None = None,
+    ) -> None:
+        check_fits(heads, target)
+        if choices is None:
+            choices = heads.choices if heads.choices is not None else default_choices(heads.num_heads)
+        check_choices(choices, heads.num_heads, heads.vocab_size)
+        self.heads = heads
+        self.target = target
+        shape = from_choices(choices)
+        self.parents = shape.parents  # (N,)
+        self.node_head = shape.depths - 1  # (N,) which head drafts each node
+        self.node_rank = shape.topk  # (N,) its rank among that head's guesses
+        n = shape.num_nodes
+        self.num_heads_used = int(shape.depths.max()) if n else 0
+        self.width = int(shape.topk.max()) + 1 if n else 0
+        self.max_nodes = max(n, 1)  # >= 1: see `propose` for a request whose prompt is one token
+        if typical is not None:
+            threshold, alpha = typical
+            self.sampling_verifier = functools.partial(
+                verify_typical, posterior_threshold=threshold, posterior_alpha=alpha
+            )
+        self.hidden: Tensor | None = None  # (C,) the row whose target output is the current root
+
+    def begin(self, req: Request, prompt_hidden: Tensor | None) -> None:
+        """Keep the last prompt row: its target output is the prompt's last token, the first root."""
+        if prompt_hidden is not None and prompt_hidden.shape[0] > 0:
+            self.hidden = prompt_hidden[-1].clone()
+        else:
+            self.hidden = None
+
+    @torch.inference_mode()
+    def propose(self, req: Request) -> Proposal:
+        room = req.max_len - len(req.all_ids)  # draft nodes the request's cache still holds
+        if room <= 0 or self.num_heads_used == 0:
+            return Proposal(DraftTree.empty())
+        if self.hidden is None:
+            # A one-token prompt has no row before its root. An empty draft would make the
+            # engine take a plain step, which reports no hidden states, and drafting would never
+            # start; a one-node guess (the root repeated) costs one extra row and gets them.
+            return Proposal(DraftTree.chain([req.root]))
+        logits = self.heads(self.hidden, self.target.head_weight_t(), self.num_heads_used)  # (D, V)
+        top = logits.topk(self.width, dim=-1).indices  # (D, W)
+        device = top.device
+        tokens = top[self.node_head.to(device), self.node_rank.to(device)]  # (N,)
+        n = min(tokens.shape[0], room)  # nodes are in topological order: a prefix is a tree
+        return Proposal(DraftTree(tokens[:n], self.parents[:n].to(device)))
+
+    def observe(self, req: Request, result: StepResult) -> None:
+        accepted = result.verdict.accepted_nodes
+        self.hidden = result.hidden[accepted[-1] if accepted else 0].clone()

@@ -1,0 +1,367 @@
+"""The drafter training pipeline on a tiny model: ShareGPT parsing (a cut-off file included),
+chat-templated samples with assistant masks, batched features equal to one-sequence forwards,
+self-distillation equal to plain greedy decoding, the feature cache, Medusa labels, a resumed
+run ending bit-identical to an uninterrupted one, and the `specdecode train medusa` command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdecode.cli import main
+from specdecode.drafters.medusa import MedusaHeads, load_heads
+from specdecode.engine import Engine, Request
+from specdecode.errors import SpecDecodeError
+from specdecode.llm import LLM
+from specdecode.models.tokenizer import Tokenizer
+from specdecode.models.transformer import Transformer
+from specdecode.sampling import SamplingParams
+from specdecode.train import features as features_module
+from specdecode.train.data import Sample, prompt, read_sharegpt, render, split
+from specdecode.train.features import Features, extract, run_batch
+from specdecode.train.medusa import IGNORE, TrainSettings, fit, positions
+from tests.tiny import make_tiny_hf
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 \n.,!?'-:"
+WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "big", "red", "and", "or", "why", "is", "it"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny models are all dispatch overhead: one thread, and none taken from a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def write_chat_tokenizer(out: Path) -> None:
+    """A character-level tokenizer with a ChatML template: ids 0-2 are <unk>, <|im_start|> and
+    <|im_end|> (the tiny models' end-of-sequence id 2), then one id per character in CHARS."""
+    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import WordLevel
+
+    vocab = {"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    vocab.update({c: i + 3 for i, c in enumerate(CHARS)})
+    backend = Backend(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(
+        [AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)]
+    )
+    backend.save(str(out / "tokenizer.json"))
+    config = {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def sentence(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def write_sharegpt(path: Path, count: int, seed: int = 0, cut: bool = True) -> list[dict]:
+    """`count` well-formed records plus some odd ones, as a JSON array cut inside the last record."""
+    rng = random.Random(seed)
+    records: list[dict] = []
+    for i in range(count):
+        turns = []
+        for _ in range(rng.randint(1, 3)):
+            turns.append({"from": "human", "value": sentence(rng, rng.randint(2, 6)) + "?"})
+            turns.append({"from": "gpt", "value": sentence(rng, rng.randint(3, 12)) + "."})
+        records.append({"id": f"r{i}", "conversations": turns})
+    records.append({"id": "empty", "conversations": []})
+    records.append({"id": "continued", "conversations": [{"from": "gpt", "value": "more."}]})
+    records.append({"id": "last", "conversations": [{"from": "human", "value": "this one is cut"}]})
+    text = json.dumps(records, indent=1)
+    if cut:
+        text = text[: text.rindex("this one is cut") + 4]  # mid-way through the last record
+    path.write_text(text)
+    return records
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("train_tiny")
+    make_tiny_hf("llama", out, seed=0)
+    write_chat_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir: Path) -> tuple[Transformer, Tokenizer]:
+    return Transformer.from_dir(tiny_dir), Tokenizer.from_dir(tiny_dir)
+
+
+# ------------------------------------------------------------------------------------------------
+# Data
+
+
+def test_read_sharegpt_keeps_every_record_before_the_cut(tmp_path: Path) -> None:
+    records = write_sharegpt(tmp_path / "data.json", 12)
+    conversations = read_sharegpt(tmp_path / "data.json")
+    assert len(conversations) == 12  # the empty, the assistant-only and the cut record are gone
+    first = records[0]["conversations"]
+    assert [m["role"] for m in conversations[0]] == ["user", "assistant"] * (len(first) // 2)
+    assert conversations[0][0]["content"] == first[0]["value"]
+    assert len(read_sharegpt(tmp_path / "data.json", max_conversations=5)) == 5
+
+
+def test_read_sharegpt_orders_roles(tmp_path: Path) -> None:
+    """Leading answers (a split conversation's later part) are dropped; disorder ends a record."""
+    records = [
+        {"conversations": [{"from": "gpt", "value": "A."}, {"from": "human", "value": "Q?"}]},
+        {"conversations": [{"from": "human", "value": "Q?"}, {"from": "human", "value": "again?"}]},
+        {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Q?"}]},
+        {"conversations": [{"from": "human", "value": "Q?"}, {"from": "gpt", "value": "  "}]},
+        {"conversations": [{"from": "robot", "value": "beep"}]},
+    ]
+    (tmp_path / "d.json").write_text("\n".join(json.dumps(r) for r in records))  # JSON lines work too
+    got = read_sharegpt(tmp_path / "d.json")
+    assert got == [
+        [{"role": "user", "content": "Q?"}],
+        [{"role": "user", "content": "Q?"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q?"}],
+        [{"role": "user", "content": "Q?"}],
+    ]
+    (tmp_path / "none.json").write_text("[]")
+    with pytest.raises(SpecDecodeError, match="no ShareGPT conversations"):
+        read_sharegpt(tmp_path / "none.json")
+    with pytest.raises(SpecDecodeError, match="not found"):
+        read_sharegpt(tmp_path / "missing.json")
+
+
+def test_render_masks_what_the_assistant_wrote(tiny: tuple[Transformer, Tokenizer]) -> None:
+    _, tok = tiny
+    conversation = [
+        {"role": "user", "content": "hi?"},
+        {"role": "assistant", "content": "yo."},
+        {"role": "user", "content": "ok"},
+        {"role": "assistant", "content": "ah"},
+    ]
+    sample = render(tok, conversation, max_len=1000)
+    assert sample is not None
+    assert sample.ids == tok.apply_chat_template(conversation, add_generation_prompt=False, tokenize=True)
+    written = [
+        tok.decode([t], skip_special_tokens=False) for t, m in zip(sample.ids, sample.mask, strict=True) if m
+    ]
+    assert "".join(written) == "yo.<|im_end|>ah<|im_end|>"  # answers and their end tokens, no "\n"
+    assert sample.prompt_len == sample.mask.index(True)
+    cut = render(tok, conversation, max_len=sample.prompt_len + 2)
+    assert cut is not None and cut.ids == sample.ids[: sample.prompt_len + 2] and sum(cut.mask) == 2
+    assert render(tok, conversation, max_len=sample.prompt_len) is None  # no answer token fits
+
+
+def test_prompt_is_the_first_turn_ready_for_the_reply(tiny: tuple[Transformer, Tokenizer]) -> None:
+    _, tok = tiny
+    conversation = [{"role": "user", "content": "hi?"}, {"role": "assistant", "content": "yo."}]
+    sample = prompt(tok, conversation, max_len=100)
+    assert sample is not None and not any(sample.mask)
+    assert (
+        tok.decode(sample.ids, skip_special_tokens=False)
+        == "<|im_start|>user\nhi?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert prompt(tok, conversation, max_len=len(sample.ids) - 1) is None
+
+
+def test_split_is_seeded_and_sized() -> None:
+    items = list(range(50))
+    train, held = split(items, 0.1, seed=3)
+    assert len(held) == 5 and sorted(train + held) == items
+    assert split(items, 0.1, seed=3) == (train, held)
+    assert len(split(items, 7, seed=0)[1]) == 7
+    assert split([1], 0.5, seed=0) == ([1], [])
+
+
+# ------------------------------------------------------------------------------------------------
+# Features
+
+
+def random_samples(count: int, seed: int, low: int = 3, high: int = 20) -> list[Sample]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        ids = [rng.randrange(3, 96) for _ in range(rng.randint(low, high))]
+        out.append(Sample(ids, [False] * len(ids), len(ids)))
+    return out
+
+
+def test_batched_features_equal_one_sequence_forwards(tiny: tuple[Transformer, Tokenizer]) -> None:
+    model, _ = tiny
+    samples = random_samples(5, seed=1)
+    for (ids, _, hidden), sample in zip(run_batch(model, samples, False, 64, [2]), samples, strict=True):
+        assert ids == sample.ids
+        cache = model.new_cache(len(ids))
+        with torch.inference_mode():
+            alone = model(torch.tensor([ids]), torch.arange(len(ids))[None], cache)[0, :-1]  # (L-1, C)
+        torch.testing.assert_close(hidden.float(), alone.half().float(), atol=2e-3, rtol=2e-3)
+
+
+def test_self_distillation_is_plain_greedy_decoding(tiny: tuple[Transformer, Tokenizer]) -> None:
+    """Each row continues exactly as one-request greedy decoding, stops at end-of-sequence or
+    max_len, and its hidden states are those of a forward over the whole result."""
+    model, _ = tiny
+    samples = random_samples(6, seed=2)
+    max_len = 40
+    eos = [2, 7]  # a second stop id, so some rows end early
+    rows = run_batch(model, samples, True, max_len, eos)
+    for (ids, mask, hidden), sample in zip(rows, samples, strict=True):
+        params = SamplingParams(max_tokens=max_len - len(sample.ids), temperature=0)
+        req = Request(model, sample.ids, params, eos)
+        for _ in Engine(model).generate(req):
+            pass
+        assert ids == sample.ids + req.output_ids
+        assert mask == [False] * len(sample.ids) + [True] * len(req.output_ids)
+        assert hidden.shape == (len(ids) - 1, model.config.hidden_size)
+        cache = model.new_cache(len(ids))
+        with torch.inference_mode():
+            whole = model(torch.tensor([ids]), torch.arange(len(ids))[None], cache)[0, :-1]
+        torch.testing.assert_close(hidden.float(), whole.half().float(), atol=2e-3, rtol=2e-3)
+    assert any(len(ids) < max_len for ids, _, _ in rows) and any(len(ids) == max_len for ids, _, _ in rows)
+
+
+def test_feature_cache_resumes_at_the_missing_shard(
+    tiny: tuple[Transformer, Tokenizer], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, _ = tiny
+    samples = random_samples(7, seed=3)
+    calls: list[int] = []
+    real = features_module.run_batch
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(len(args[1]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(features_module, "run_batch", counting)
+    kwargs = dict(generate=True, max_len=30, eos_ids=[2], cache_dir=tmp_path, model_tag="t", progress=False)
+    first = extract(model, samples, batch_size=3, **kwargs)  # type: ignore[arg-type]
+    assert calls == [3, 3, 1] and len(first) == 7
+    (tmp_path / "shard-00001.pt").unlink()
+    again = extract(model, samples, batch_size=3, **kwargs)  # type: ignore[arg-type]
+    assert calls == [3, 3, 1, 3]
+    for a, b in zip(first.hidden + first.ids, again.hidden + again.ids, strict=True):
+        assert torch.equal(a, b)
+    assert first.ids[0].tolist()[: len(samples[0].ids)] == samples[0].ids  # the samples' order
+    extract(model, samples[:5], batch_size=3, **kwargs)  # type: ignore[arg-type]
+    assert len(calls) == 6  # other samples: the cache is replaced, not mixed
+
+
+# ------------------------------------------------------------------------------------------------
+# Medusa training
+
+
+def test_positions_label_each_head_within_the_answer() -> None:
+    """ids 10..17; the assistant wrote 13..16 (17 is the next user turn). Position t trains head
+    k on ids[t+2+k] when ids[t+2..t+2+k] are all assistant tokens."""
+    ids = torch.arange(10, 18)
+    mask = torch.tensor([0, 0, 0, 1, 1, 1, 1, 0], dtype=torch.bool)
+    hidden = torch.arange(7, dtype=torch.float16)[:, None].expand(7, 4)  # row t holds t
+    got = positions(Features([ids], [mask], [hidden]), num_heads=3)
+    assert got.hidden[:, 0].tolist() == [1, 2, 3, 4]  # t = 1..4: token t+2 is an answer token
+    assert got.labels.tolist() == [
+        [13, 14, 15],
+        [14, 15, 16],
+        [15, 16, IGNORE],
+        [16, IGNORE, IGNORE],
+    ]
+
+
+def tiny_setup(tiny: tuple[Transformer, Tokenizer], tmp: Path) -> tuple[Features, TrainSettings]:
+    model, _ = tiny
+    samples = random_samples(12, seed=4, low=2, high=6)
+    feats = extract(
+        model,
+        samples,
+        generate=True,
+        max_len=48,
+        eos_ids=[2],
+        cache_dir=tmp / "f",
+        model_tag="t",
+        progress=False,
+    )
+    settings = TrainSettings(
+        data="-", out=str(tmp), num_heads=2, epochs=3, batch_size=32, lr=3e-3, save_every=4, progress=False
+    )
+    return feats, settings
+
+
+def new_heads(model: Transformer) -> MedusaHeads:
+    return MedusaHeads(2, 1, model.config.hidden_size, model.config.vocab_size)
+
+
+def test_resumed_training_ends_where_an_uninterrupted_run_does(
+    tiny: tuple[Transformer, Tokenizer], tmp_path: Path
+) -> None:
+    model, _ = tiny
+    feats, settings = tiny_setup(tiny, tmp_path)
+    data = positions(feats, 2)
+    weight = model.head_weight_t().detach()
+
+    straight = new_heads(model)
+    fit(straight, weight, data, settings, tmp_path / "straight.pt")
+
+    def ctrl_c_at_7(step: int) -> None:
+        if step == 7:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    resumed = new_heads(model)
+    state = tmp_path / "resumed.pt"
+    with pytest.raises(KeyboardInterrupt):
+        fit(resumed, weight, data, settings, state, on_step=ctrl_c_at_7)
+    # Ctrl-C ends the run after the step under way, never inside one.
+    assert torch.load(state, weights_only=True)["step"] == 8
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    resumed = new_heads(model)  # a fresh process: everything comes from the checkpoint
+    fit(resumed, weight, data, settings, state)
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert not torch.equal(
+        straight.state_dict()["blocks.0.0.linear.weight"], new_heads(model).blocks[0][0].linear.weight
+    )
+
+    other = TrainSettings(**{**settings.__dict__, "lr": 1e-2})
+    with pytest.raises(SpecDecodeError, match="other settings"):
+        fit(new_heads(model), weight, data, other, state)
+
+
+def test_train_command_end_to_end(tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`specdecode train medusa` on a tiny ShareGPT file: heads, config and report written, the
+    heads decode exactly like plain greedy, and a second run needs --resume."""
+    data = tmp_path / "sharegpt.json"
+    write_sharegpt(data, 30)
+    out = tmp_path / "heads"
+    argv = [
+        "train", "medusa", "--model", str(tiny_dir), "--data", str(data), "--out", str(out),
+        "--num-heads", "2", "--max-len", "96", "--epochs", "2", "--batch-size", "64",
+        "--heldout", "5", "--eval-prompts", "2", "--eval-tokens", "24", "--tree-nodes", "6",
+        "--dtype", "float32", "--self-distill", "--feature-batch-size", "8",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "held-out top-1 accuracy per head" in printed and "held-out τ" in printed
+    report = json.loads((out / "report.json").read_text())
+    assert len(report["heldout_top1"]) == 2 and report["heldout_tau"] >= 1.0
+    heads = load_heads(out)
+    assert heads.num_heads == 2 and heads.choices is not None and len(heads.choices) == 6
+    assert (out / "medusa.safetensors").stat().st_size < 100_000  # shared LM head: blocks only
+
+    llm = LLM(model=str(tiny_dir), speculative={"method": "medusa", "heads": str(out)}, progress=False)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    for text in ("the cat", "a"):
+        spec, plain = llm.generate(text, params)[0], llm.generate(text, params, speculative=None)[0]
+        assert spec.token_ids == plain.token_ids
+
+    assert main(argv) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert main([*argv, "--resume"]) == 0  # a finished run: re-exported from its checkpoint
