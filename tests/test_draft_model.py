@@ -16,7 +16,7 @@ import itertools
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,15 +39,7 @@ from specdecode.spec_config import DraftModelConfig, PromptLookupConfig
 from specdecode.tree import DraftTree
 from tests.tiny import make_tiny_hf
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny models are all dispatch overhead; on a loaded machine several threads per op spin
-    against each other (measured: 100x slower), so these tests run single-threaded."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_transformer(

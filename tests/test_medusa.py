@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -47,14 +47,7 @@ from tests.test_draft_model import PARAMS, PROMPT, SEQ_LEN, check_distribution, 
 from tests.test_draft_model import tiny_transformer as small_transformer
 from tests.tiny import make_tiny_hf
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny models are all dispatch overhead: one thread, and none taken from a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_heads(model: Transformer, num_heads: int = 3, seed: int = 0, std: float = 0.3) -> MedusaHeads:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -23,15 +22,7 @@ from specdecode.spec_config import PromptLookupConfig
 from specdecode.tree import DraftTree
 from tests.tiny import make_tiny_hf
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny models are all dispatch overhead; on a loaded machine several threads per op spin
-    against each other (measured: 100x slower), so these tests run single-threaded."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @dataclass

@@ -10,7 +10,6 @@ import json
 import os
 import random
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,13 +37,7 @@ CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 \n.,!?'-:"
 WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "big", "red", "and", "or", "why", "is", "it"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny models are all dispatch overhead: one thread, and none taken from a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def write_chat_tokenizer(out: Path) -> None:
