@@ -37,6 +37,7 @@ from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams, logits_to_probs
 from specdecode.spec_config import DraftModelConfig, PromptLookupConfig
 from specdecode.tree import DraftTree
+from tests.stats import chi_square_sf
 from tests.tiny import make_tiny_hf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -259,15 +260,6 @@ class DistributionCheck:
     @property
     def ok(self) -> bool:
         return self.p_value > ALPHA and self.tv < self.tv_bound
-
-
-def chi_square_sf(stat: float, df: int) -> float:
-    """P(X >= stat) for X ~ chi-square(df): the regularized upper incomplete gamma function."""
-    return float(
-        torch.special.gammaincc(
-            torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)
-        )
-    )
 
 
 def check_distribution(

@@ -43,7 +43,15 @@ from specdecode.train.features import extract
 from specdecode.train.medusa import TrainSettings, fit, positions
 from specdecode.tree import DraftTree
 from specdecode.verify import verify_typical
-from tests.test_draft_model import PARAMS, PROMPT, SEQ_LEN, check_distribution, exact_distribution
+from tests.test_draft_model import (
+    PARAMS,
+    PROMPT,
+    SEQ_LEN,
+    check_distribution,
+    exact_distribution,
+    greedy,
+    run,
+)
 from tests.test_draft_model import tiny_transformer as small_transformer
 from tests.tiny import make_tiny_hf
 
@@ -59,19 +67,6 @@ def random_heads(model: Transformer, num_heads: int = 3, seed: int = 0, std: flo
         for p in heads.parameters():
             p.normal_(0, std)
     return heads.eval()
-
-
-def run(
-    model: Transformer, prompt: list[int], drafter: MedusaDrafter | None, params: SamplingParams
-) -> Request:
-    req = Request(model, prompt, params, [], drafter)
-    for _ in Engine(model).generate(req):
-        pass
-    return req
-
-
-def greedy(max_tokens: int = 64) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
 
 PROMPTS = {

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from specdecode.tree import DraftTree
 from specdecode.verify import Verdict, _residual, verify_greedy, verify_sampling
+from tests.stats import chi_square_sf
 
 V = 8  # vocabulary of the toy models
 ALPHA = 1e-4  # chi-square p-value below which a prefix's next-token distribution is flagged
@@ -117,8 +118,7 @@ def chi_square_p_value(observed: Tensor, expected_probs: Tensor) -> float:
     expected = n * expected_probs[support]
     stat = float(((observed[support] - expected) ** 2 / expected).sum())
     dof = int(support.sum()) - 1
-    # Survival function of chi-square(dof) = regularized upper incomplete gamma Q(dof/2, stat/2).
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
+    return chi_square_sf(stat, dof)
 
 
 def check_lossless(verifier: Verifier, case: Case, n: int, seed: int) -> list[PrefixCheck]:
