@@ -17,21 +17,15 @@ Cost on a CPU: the heads' own weights are tiny; the time goes into the shared, f
 (not into). It runs in bfloat16 (float32 master weights), ~5x faster than float32 on CPUs with
 AVX512-BF16/AMX and the usual choice on GPUs. Each step samples positions across the dataset.
 
-Interruption: a checkpoint (heads, optimizer, step) is written every `save_every` steps and on
-Ctrl-C; `--resume` continues from it, and from the feature shards already written. Batches are
-a function of (seed, epoch, step), so a resumed run takes exactly the steps an uninterrupted
-run would, and ends with the same weights.
+Data, features, the loop, checkpoints and `--resume` come from `pipeline` (shared by every
+method's training).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
-import signal
-import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -44,14 +38,22 @@ from torch import Tensor
 
 from specdecode.drafters.medusa import MedusaDrafter, MedusaHeads, best_tree, load_heads, save_heads
 from specdecode.errors import SpecDecodeError
-from specdecode.models.transformer import Transformer
-from specdecode.train.data import Sample, prompt, read_sharegpt, render, split
-from specdecode.train.features import Features, extract
+from specdecode.train.features import Features
+from specdecode.train.pipeline import (
+    STATE,
+    RecentMean,
+    add_common_args,
+    common_kwargs,
+    fingerprint,
+    measure_tau,
+    prepare,
+    total_steps,
+    train_loop,
+)
 
 IGNORE = -100  # label of a (position, head) pair that is not trained
 HEAD_DECAY = 0.8
 MAX_RANK = 10  # ranks tracked for the tree fit; deeper ranks are never worth a node
-STATE = "train_state.pt"
 
 
 @dataclass(frozen=True)
@@ -142,23 +144,6 @@ def medusa_loss(logits: Tensor, labels: Tensor) -> Tensor:
     return (head_weights(k).to(per_head.device) * per_head).sum()
 
 
-def learning_rate(step: int, total: int, peak: float) -> float:
-    """Linear warm-up over the first 5% of steps (at most 50), then cosine down to 10% of peak."""
-    warm = max(1, min(50, total // 20))
-    if step < warm:
-        return peak * (step + 1) / warm
-    progress = (step - warm) / max(1, total - warm)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def _fingerprint(settings: TrainSettings, data: Positions, total: int) -> str:
-    """What a checkpoint must agree with to be resumed: the settings that shape the steps."""
-    keys = ("model", "num_heads", "num_layers", "lr", "batch_size", "seed", "dtype")
-    fields = {k: getattr(settings, k) for k in keys}
-    fields.update(positions=len(data), total=total)
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def fit(
     heads: MedusaHeads,
     lm_weight: Tensor,
@@ -170,98 +155,43 @@ def fit(
     """Train `heads` in place on `data`, checkpointing to `state_file`; returns final figures.
 
     `lm_weight` (C, V) is the target's LM head (`head_weight_t()`) in the compute dtype. Resumes
-    from `state_file` when it exists (the caller decides whether that is wanted). `on_step(step)`
-    runs after each step; an exception from it, or Ctrl-C, saves a checkpoint first. Returns the
-    mean loss of the last 50 steps and the last batch's head-0 accuracy.
+    from `state_file` when it exists (the caller decides whether that is wanted); `on_step` and
+    Ctrl-C as in `pipeline.train_loop`. Returns the mean loss of the last 50 steps and the last
+    batch's head-0 accuracy.
     """
-    from tqdm import tqdm
-
     device = lm_weight.device
     if lm_weight.is_inference():  # made under inference_mode (a cached tied head): autograd needs a copy
         lm_weight = lm_weight.clone()
-    steps_per_epoch = math.ceil(len(data) / settings.batch_size)
-    total = settings.epochs * steps_per_epoch
-    if settings.max_steps is not None:
-        total = min(total, settings.max_steps)
-    fingerprint = _fingerprint(settings, data, total)
+    keys = ("model", "num_heads", "num_layers", "lr", "batch_size", "seed", "dtype")
+    total = total_steps(settings, len(data))
     optimizer = torch.optim.AdamW(heads.parameters(), lr=settings.lr, weight_decay=0.0)
-    step = 0
-    if state_file.is_file():
-        state = torch.load(state_file, map_location=device, weights_only=True)
-        if state.get("fingerprint") != fingerprint:
-            raise SpecDecodeError(
-                f"{state_file} comes from a run with other settings or data; use another --out"
-            )
-        heads.load_state_dict(state["heads"])
-        optimizer.load_state_dict(state["optimizer"])
-        step = int(state["step"])
-
-    def save() -> None:
-        from specdecode.models.cache import atomic_file
-
-        state = {"step": step, "heads": heads.state_dict(), "optimizer": optimizer.state_dict()}
-        state["fingerprint"] = fingerprint
-        with atomic_file(state_file) as tmp:
-            torch.save(state, tmp)
-
-    def order(epoch: int) -> Tensor:
-        g = torch.Generator().manual_seed(settings.seed * 1_000_003 + epoch)
-        return torch.randperm(len(data), generator=g)  # (P,)
-
-    # Ctrl-C sets a flag that ends the run after the current step, so the checkpoint never holds
-    # half-updated weights; a second Ctrl-C interrupts at once.
-    stop: list[bool] = []
-
-    def on_sigint(signum: int, frame: object) -> None:
-        if stop:
-            raise KeyboardInterrupt
-        stop.append(True)
-
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
-    heads.train()
-    recent: list[float] = []  # losses of the last 50 steps
+    recent = RecentMean()
     figures = {"loss": float("nan"), "acc0": float("nan")}
-    epoch_order = (-1, torch.empty(0, dtype=torch.long))
-    bar = tqdm(total=total, initial=step, desc="medusa", unit="step", disable=not settings.progress)
-    try:
-        while step < total:
-            epoch, i = divmod(step, steps_per_epoch)
-            if epoch_order[0] != epoch:
-                epoch_order = (epoch, order(epoch))
-            idx = epoch_order[1][i * settings.batch_size : (i + 1) * settings.batch_size]  # (B,)
-            x = data.hidden[idx].to(device, torch.float32)  # (B, C)
-            y = data.labels[idx].to(device)  # (B, K)
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(step, total, settings.lr)
-            logits = heads(x, lm_weight)  # (K, B, V)
-            loss = medusa_loss(logits, y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            step += 1
-            valid0 = y[:, 0] != IGNORE  # (B,)
-            hits0 = int((logits[0].detach().argmax(-1) == y[:, 0])[valid0].sum())
-            recent = [*recent[-49:], float(loss.detach())]
-            figures = {"loss": sum(recent) / len(recent), "acc0": hits0 / max(int(valid0.sum()), 1)}
-            bar.update(1)
-            bar.set_postfix(loss=f"{recent[-1]:.3f}", acc0=f"{figures['acc0']:.2f}")
-            if step % settings.save_every == 0 or step == total:
-                save()
-            if stop:
-                raise KeyboardInterrupt
-            if on_step is not None:
-                on_step(step)
-    except BaseException as exc:
-        save()  # after Ctrl-C or a failure between steps: keep every finished step
-        if isinstance(exc, KeyboardInterrupt):
-            print(f"\ncheckpoint saved at step {step}/{total}; continue with --resume", file=sys.stderr)
-        raise
-    finally:
-        bar.close()
-        heads.eval()
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+
+    def step(idx: Tensor) -> dict[str, float]:
+        x = data.hidden[idx].to(device, torch.float32)  # (B, C)
+        y = data.labels[idx].to(device)  # (B, K)
+        logits = heads(x, lm_weight)  # (K, B, V)
+        loss = medusa_loss(logits, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        valid0 = y[:, 0] != IGNORE  # (B,)
+        hits0 = int((logits[0].detach().argmax(-1) == y[:, 0])[valid0].sum())
+        figures.update(loss=recent.add(float(loss.detach())), acc0=hits0 / max(int(valid0.sum()), 1))
+        return {"loss": recent.values[-1], "acc0": figures["acc0"]}
+
+    train_loop(
+        heads,
+        optimizer,
+        step,
+        num_items=len(data),
+        settings=settings,
+        state_file=state_file,
+        fingerprint=fingerprint(settings, keys, positions=len(data), total=total),
+        desc="medusa",
+        on_step=on_step,
+    )
     return figures
 
 
@@ -283,90 +213,25 @@ def rank_counts(heads: MedusaHeads, lm_weight: Tensor, data: Positions, chunk: i
     return counts
 
 
-def measure_tau(
-    target: Transformer, heads: MedusaHeads, prompts: list[list[int]], max_tokens: int, eos: list[int]
-) -> float:
-    """τ (tokens per target forward) of greedy Medusa decoding over `prompts`."""
-    from specdecode.engine import Engine, Request
-    from specdecode.sampling import SamplingParams
-
-    engine = Engine(target)
-    tokens = forwards = 0
-    for ids in prompts:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        req = Request(target, ids, params, eos, MedusaDrafter(heads, target))
-        for _ in engine.generate(req):
-            pass
-        tokens += req.stats.num_generated_tokens
-        forwards += req.stats.num_target_forwards
-    return tokens / max(forwards, 1)
-
-
 def train(settings: TrainSettings) -> dict[str, Any]:
     """The whole pipeline; returns (and writes to OUT/report.json) what it measured."""
-    from specdecode.llm import resolve_device, resolve_dtype
-    from specdecode.models.loader import resolve_model
-    from specdecode.models.tokenizer import Tokenizer
-
     started = time.perf_counter()
-    out = Path(settings.out).expanduser()
-    state_file = out / "cache" / STATE
-    if state_file.is_file() and not settings.resume:
-        raise SpecDecodeError(
-            f"{out} holds an unfinished or finished run: pass --resume, or choose another --out"
-        )
-    device = resolve_device(settings.device)
-    dtype = resolve_dtype(settings.dtype)
-    path = resolve_model(settings.model, progress=settings.progress)
-    tokenizer = Tokenizer.from_dir(path)
-    target = Transformer.from_dir(path, dtype=dtype, device=device)
+    prep = prepare(settings)
+    target, out, device = prep.target, prep.out, prep.device
     cfg = target.config
-    if settings.max_len < 4:
-        raise SpecDecodeError(f"max_len must be >= 4, got {settings.max_len}")
-
-    conversations = read_sharegpt(settings.data, settings.max_conversations)
-    train_convs, held_convs = split(conversations, settings.heldout, settings.seed)
-    limit = settings.max_len // 2 if settings.self_distill else settings.max_len
-
-    def samples(convs: list[list[dict[str, str]]]) -> list[Sample]:
-        make = prompt if settings.self_distill else render
-        return [s for s in (make(tokenizer, c, limit) for c in convs) if s is not None]
-
-    train_samples, held_samples = samples(train_convs), samples(held_convs)
-    if not train_samples or not held_samples:
-        raise SpecDecodeError(
-            f"{len(train_samples)} training and {len(held_samples)} held-out samples fit max_len "
-            f"{settings.max_len}; use more conversations, a larger --max-len or --heldout"
-        )
-    eos = tokenizer.eos_token_ids
-
-    def features(name: str, items: list[Sample]) -> Features:
-        return extract(
-            target,
-            items,
-            generate=settings.self_distill,
-            max_len=settings.max_len,
-            eos_ids=eos,
-            cache_dir=out / "cache" / name,
-            model_tag=str(path),
-            batch_size=settings.feature_batch_size,
-            progress=settings.progress,
-        )
-
-    train_feats, held_feats = features("train", train_samples), features("heldout", held_samples)
-    features_s = time.perf_counter() - started
-    train_set = positions(train_feats, settings.num_heads)
-    held_set = positions(held_feats, settings.num_heads)
+    train_set = positions(prep.train, settings.num_heads)
+    held_set = positions(prep.heldout, settings.num_heads)
     print(
-        f"data: {len(train_samples)} training samples ({train_feats.num_tokens} tokens, {len(train_set)} "
-        f"positions), {len(held_samples)} held out ({len(held_set)} positions); features {features_s:.0f} s"
+        f"data: {len(prep.train)} training samples ({prep.train.num_tokens} tokens, {len(train_set)} "
+        f"positions), {len(prep.heldout)} held out ({len(held_set)} positions); "
+        f"features {prep.features_s:.0f} s"
     )
 
     torch.manual_seed(settings.seed)
     heads = MedusaHeads(settings.num_heads, settings.num_layers, cfg.hidden_size, cfg.vocab_size).to(device)
-    lm_weight = target.head_weight_t().detach().to(dtype)  # (C, V), frozen
+    lm_weight = target.head_weight_t().detach().to(target.dtype)  # (C, V), frozen
     t0 = time.perf_counter()
-    figures = fit(heads, lm_weight, train_set, settings, state_file)
+    figures = fit(heads, lm_weight, train_set, settings, out / "cache" / STATE)
     train_s = time.perf_counter() - t0
 
     counts = rank_counts(heads, lm_weight, held_set)  # (K, MAX_RANK + 1)
@@ -380,9 +245,9 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         "heldout_top5": top5,
         "heldout_positions": len(held_set),
         "train_positions": len(train_set),
-        "train_samples": len(train_samples),
+        "train_samples": len(prep.train),
         "train_loss": round(figures["loss"], 4) if math.isfinite(figures["loss"]) else None,
-        "features_s": round(features_s, 1),
+        "features_s": round(prep.features_s, 1),
         "train_s": round(train_s, 1),
         "settings": {k: v for k, v in asdict(settings).items() if k not in ("resume", "progress", "out")},
     }
@@ -390,11 +255,13 @@ def train(settings: TrainSettings) -> dict[str, Any]:
 
     # τ of real decoding with the saved (float16) heads on the float32 target, as users run it.
     t0 = time.perf_counter()
-    eval_target = target if dtype == torch.float32 else Transformer.from_dir(path, torch.float32, device)
+    eval_target = prep.eval_target()
     shipped = load_heads(out, torch.float32, device)
-    held_prompts = [s for s in (prompt(tokenizer, c, settings.max_len // 2) for c in held_convs) if s]
-    chosen = [s.ids for s in held_prompts[: settings.eval_prompts]]
-    tau = measure_tau(eval_target, shipped, chosen, settings.eval_tokens, eos) if chosen else float("nan")
+    chosen = prep.eval_prompts(settings)
+    tau = measure_tau(
+        eval_target, lambda: MedusaDrafter(shipped, eval_target), chosen, settings.eval_tokens,
+        prep.tokenizer.eos_token_ids,
+    )  # fmt: skip
     report.update(
         heldout_tau=round(tau, 3), tau_prompts=len(chosen), eval_s=round(time.perf_counter() - t0, 1)
     )
@@ -407,70 +274,28 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         f"held-out τ (greedy Medusa decoding, {len(chosen)} prompts, {settings.eval_tokens} tokens, "
         f"fitted tree of {len(heads.choices)} nodes): {tau:.3f}"
     )
-    print(f"time: features {features_s:.0f} s, training {train_s:.0f} s, total {report['total_s']:.0f} s")
+    print(
+        f"time: features {prep.features_s:.0f} s, training {train_s:.0f} s, total {report['total_s']:.0f} s"
+    )
     print(f"heads written to {out}")
     return report
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     d = TrainSettings(data="", out="")
-    p.add_argument("--model", default=d.model, help="target: short name, .gguf file or HF directory")
-    p.add_argument("--data", required=True, help="ShareGPT JSON file (a cut-off file is fine)")
-    p.add_argument("--out", required=True, help="output directory: heads, config, report, cache/")
+    add_common_args(p, d)
     p.add_argument("--num-heads", type=int, default=d.num_heads)
     p.add_argument("--num-layers", type=int, default=d.num_layers, help="residual blocks per head")
-    p.add_argument("--max-conversations", type=int, default=d.max_conversations)
-    p.add_argument("--max-len", type=int, default=d.max_len, help="tokens per sample (prompt + answer)")
-    p.add_argument("--epochs", type=int, default=d.epochs)
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="positions per step")
-    p.add_argument(
-        "--self-distill", action="store_true", help="train on the target's own greedy answers to the prompts"
-    )
-    p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
-    p.add_argument("--heldout", type=float, default=d.heldout, help="held-out share (< 1) or count")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints")
-    p.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32"], help="target and matmuls")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA when available)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
-    p.add_argument("--feature-batch-size", type=int, default=d.feature_batch_size)
     p.add_argument("--tree-nodes", type=int, default=d.tree_nodes, help="nodes of the fitted tree")
-    p.add_argument("--eval-prompts", type=int, default=d.eval_prompts, help="held-out prompts for τ")
-    p.add_argument("--eval-tokens", type=int, default=d.eval_tokens, help="tokens per τ prompt")
 
 
 def main_args(args: argparse.Namespace) -> None:
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    for name in ("num_heads", "max_conversations", "max_len", "epochs", "batch_size", "save_every"):
-        if getattr(args, name) < 1:
-            raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    common = common_kwargs(args)
+    if args.num_heads < 1:
+        raise SpecDecodeError(f"--num-heads must be >= 1, got {args.num_heads}")
     if args.num_layers < 0:
         raise SpecDecodeError(f"--num-layers must be >= 0, got {args.num_layers}")
     settings = TrainSettings(
-        data=args.data,
-        out=args.out,
-        model=args.model,
-        num_heads=args.num_heads,
-        num_layers=args.num_layers,
-        max_conversations=args.max_conversations,
-        max_len=args.max_len,
-        epochs=args.epochs,
-        lr=args.lr,
-        batch_size=args.batch_size,
-        self_distill=args.self_distill,
-        resume=args.resume,
-        heldout=args.heldout,
-        seed=args.seed,
-        save_every=args.save_every,
-        dtype=args.dtype,
-        device=args.device,
-        feature_batch_size=args.feature_batch_size,
-        tree_nodes=args.tree_nodes,
-        eval_prompts=args.eval_prompts,
-        eval_tokens=args.eval_tokens,
-        max_steps=args.max_steps,
+        **common, num_heads=args.num_heads, num_layers=args.num_layers, tree_nodes=args.tree_nodes
     )
     train(settings)

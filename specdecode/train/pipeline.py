@@ -1,0 +1,368 @@
+"""What every drafter's training run shares: data and features in, a resumable training loop.
+
+A method's `train` does three things; the first and the last are here:
+
+1. `prepare(settings)`: load the target and its tokenizer, read the ShareGPT file, split it into
+   training and held-out conversations, build samples (whole conversations, or only their
+   prompts with `self_distill`), and get the target's features for both sets from
+   `OUT/cache/{train,heldout}` (computed in batches the first time, `features.extract`).
+2. the method's own positions, module and loss (Medusa, EAGLE, ReDrafter);
+3. `train_loop(...)`: AdamW steps over shuffled batches with a warm-up + cosine schedule, a
+   progress bar, a checkpoint every `save_every` steps and on Ctrl-C, and `--resume`.
+
+Settings: any object with the attributes of `Common` (each method's frozen `TrainSettings`
+dataclass adds its own fields); `add_common_args` declares the matching command-line flags and
+`common_kwargs` reads them back.
+
+Determinism: batches are a function of (seed, epoch, step) and the loop checkpoints whole steps
+only, so a resumed run takes exactly the steps an uninterrupted one would and ends with the same
+weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from specdecode.drafters.base import Drafter
+from specdecode.errors import SpecDecodeError
+from specdecode.models.tokenizer import Tokenizer
+from specdecode.models.transformer import Transformer
+from specdecode.train.data import Conversation, Sample, prompt, read_sharegpt, render, split
+from specdecode.train.features import Features, extract
+
+STATE = "train_state.pt"  # the loop's checkpoint, under OUT/cache/
+
+
+class Common(Protocol):
+    """The settings every training run has (see `add_common_args` for their meaning)."""
+
+    data: str
+    out: str
+    model: str
+    max_conversations: int
+    max_len: int
+    epochs: int
+    lr: float
+    batch_size: int
+    self_distill: bool
+    resume: bool
+    heldout: float
+    seed: int
+    save_every: int
+    dtype: str
+    device: str | None
+    feature_batch_size: int
+    eval_prompts: int
+    eval_tokens: int
+    max_steps: int | None
+    progress: bool
+
+
+@dataclass
+class Prepared:
+    """The target, its tokenizer and the features of the training and held-out samples."""
+
+    out: Path
+    model_path: Path  # the target's model directory
+    target: Transformer  # in the training dtype
+    tokenizer: Tokenizer
+    train: Features
+    heldout: Features
+    held_conversations: list[Conversation]
+    features_s: float
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    def eval_target(self) -> Transformer:
+        """The target in float32, as users run it: what held-out τ is measured on."""
+        if self.target.dtype == torch.float32:
+            return self.target
+        return Transformer.from_dir(self.model_path, torch.float32, self.target.device)
+
+    def eval_prompts(self, settings: Common) -> list[list[int]]:
+        """Token ids of the first `eval_prompts` held-out prompts (for τ of real decoding)."""
+        found = (prompt(self.tokenizer, c, settings.max_len // 2) for c in self.held_conversations)
+        return [s.ids for s in found if s is not None][: settings.eval_prompts]
+
+
+def prepare(settings: Common) -> Prepared:
+    """Step 1 of every run: target, samples and features (cached under OUT/cache/)."""
+    from specdecode.llm import resolve_device, resolve_dtype
+    from specdecode.models.loader import resolve_model
+
+    started = time.perf_counter()
+    out = Path(settings.out).expanduser()
+    if (out / "cache" / STATE).is_file() and not settings.resume:
+        raise SpecDecodeError(
+            f"{out} holds an unfinished or finished run: pass --resume, or choose another --out"
+        )
+    if settings.max_len < 4:
+        raise SpecDecodeError(f"max_len must be >= 4, got {settings.max_len}")
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype)
+    path = resolve_model(settings.model, progress=settings.progress)
+    tokenizer = Tokenizer.from_dir(path)
+    target = Transformer.from_dir(path, dtype=dtype, device=device)
+
+    conversations = read_sharegpt(settings.data, settings.max_conversations)
+    train_convs, held_convs = split(conversations, settings.heldout, settings.seed)
+    limit = settings.max_len // 2 if settings.self_distill else settings.max_len
+
+    def samples(convs: list[Conversation]) -> list[Sample]:
+        make = prompt if settings.self_distill else render
+        return [s for s in (make(tokenizer, c, limit) for c in convs) if s is not None]
+
+    train_samples, held_samples = samples(train_convs), samples(held_convs)
+    if not train_samples or not held_samples:
+        raise SpecDecodeError(
+            f"{len(train_samples)} training and {len(held_samples)} held-out samples fit max_len "
+            f"{settings.max_len}; use more conversations, a larger --max-len or --heldout"
+        )
+
+    def features(name: str, items: list[Sample]) -> Features:
+        return extract(
+            target,
+            items,
+            generate=settings.self_distill,
+            max_len=settings.max_len,
+            eos_ids=tokenizer.eos_token_ids,
+            cache_dir=out / "cache" / name,
+            model_tag=str(path),
+            batch_size=settings.feature_batch_size,
+            progress=settings.progress,
+        )
+
+    train_feats, held_feats = features("train", train_samples), features("heldout", held_samples)
+    return Prepared(
+        out=out,
+        model_path=path,
+        target=target,
+        tokenizer=tokenizer,
+        train=train_feats,
+        heldout=held_feats,
+        held_conversations=held_convs,
+        features_s=time.perf_counter() - started,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# The loop
+
+
+def learning_rate(step: int, total: int, peak: float) -> float:
+    """Linear warm-up over the first 5% of steps (at most 50), then cosine down to 10% of peak."""
+    warm = max(1, min(50, total // 20))
+    if step < warm:
+        return peak * (step + 1) / warm
+    progress = (step - warm) / max(1, total - warm)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def total_steps(settings: Common, num_items: int) -> int:
+    """Steps of a run: `epochs` passes over `num_items` in batches, capped by `max_steps`."""
+    total = settings.epochs * math.ceil(num_items / settings.batch_size)
+    return total if settings.max_steps is None else min(total, settings.max_steps)
+
+
+def fingerprint(settings: Common, keys: Iterable[str], **extra: Any) -> str:
+    """What a checkpoint must agree with to be resumed: the settings named by `keys` (those that
+    shape the steps) and `extra` facts about the data."""
+    fields = {k: getattr(settings, k) for k in keys}
+    fields.update(extra)
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def train_loop(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step_fn: Callable[[Tensor], dict[str, float]],
+    *,
+    num_items: int,
+    settings: Common,
+    state_file: Path,
+    fingerprint: str,
+    desc: str,
+    on_step: Callable[[int], None] | None = None,
+) -> None:
+    """Train `module` with `optimizer` for `total_steps(settings, num_items)` steps, resumably.
+
+    Each step draws the next batch of item indices (B,) from a seeded per-epoch permutation of
+    `num_items`, sets the learning rate (`learning_rate`), and calls `step_fn(indices)`, which
+    computes the loss, back-propagates and steps the optimizer, and returns the figures shown on
+    the progress bar. `module` and `optimizer` are restored from `state_file` when it exists and
+    saved to it every `save_every` steps, at the end, and on Ctrl-C (which ends the run after the
+    step under way, so a checkpoint never holds half-updated weights; a second Ctrl-C interrupts
+    at once). `on_step(step)` runs after each step; an exception from it saves first too.
+    """
+    from tqdm import tqdm
+
+    from specdecode.models.cache import atomic_file
+
+    steps_per_epoch = math.ceil(num_items / settings.batch_size)
+    total = total_steps(settings, num_items)
+    step = 0
+    if state_file.is_file():
+        state = torch.load(state_file, map_location="cpu", weights_only=True)
+        if state.get("fingerprint") != fingerprint:
+            raise SpecDecodeError(
+                f"{state_file} comes from a run with other settings or data; use another --out"
+            )
+        module.load_state_dict(state["module"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = int(state["step"])
+
+    def save() -> None:
+        state = {"step": step, "module": module.state_dict(), "optimizer": optimizer.state_dict()}
+        state["fingerprint"] = fingerprint
+        state_file.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(state_file) as tmp:
+            torch.save(state, tmp)
+
+    def order(epoch: int) -> Tensor:
+        g = torch.Generator().manual_seed(settings.seed * 1_000_003 + epoch)
+        return torch.randperm(num_items, generator=g)  # (num_items,)
+
+    stop: list[bool] = []
+
+    def on_sigint(signum: int, frame: object) -> None:
+        if stop:
+            raise KeyboardInterrupt
+        stop.append(True)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
+    module.train()
+    epoch_order = (-1, torch.empty(0, dtype=torch.long))
+    bar = tqdm(total=total, initial=step, desc=desc, unit="step", disable=not settings.progress)
+    try:
+        while step < total:
+            epoch, i = divmod(step, steps_per_epoch)
+            if epoch_order[0] != epoch:
+                epoch_order = (epoch, order(epoch))
+            idx = epoch_order[1][i * settings.batch_size : (i + 1) * settings.batch_size]  # (B,)
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step, total, settings.lr)
+            figures = step_fn(idx)
+            step += 1
+            bar.update(1)
+            bar.set_postfix({k: f"{v:.3f}" for k, v in figures.items()})
+            if step % settings.save_every == 0 or step == total:
+                save()
+            if stop:
+                raise KeyboardInterrupt
+            if on_step is not None:
+                on_step(step)
+    except BaseException as exc:
+        save()  # after Ctrl-C or a failure between steps: keep every finished step
+        if isinstance(exc, KeyboardInterrupt):
+            print(f"\ncheckpoint saved at step {step}/{total}; continue with --resume", file=sys.stderr)
+        raise
+    finally:
+        bar.close()
+        module.eval()
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def measure_tau(
+    target: Transformer,
+    make_drafter: Callable[[], Drafter],
+    prompts: list[list[int]],
+    max_tokens: int,
+    eos: list[int],
+) -> float:
+    """τ (tokens per target forward) of greedy decoding over `prompts`, a fresh drafter each;
+    NaN without prompts."""
+    from specdecode.engine import Engine, Request
+    from specdecode.sampling import SamplingParams
+
+    if not prompts:
+        return float("nan")
+    engine = Engine(target)
+    tokens = forwards = 0
+    for ids in prompts:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        req = Request(target, ids, params, eos, make_drafter())
+        for _ in engine.generate(req):
+            pass
+        tokens += req.stats.num_generated_tokens
+        forwards += req.stats.num_target_forwards
+    return tokens / max(forwards, 1)
+
+
+class RecentMean:
+    """Mean of the last `size` values (the loss shown and reported at the end of a run)."""
+
+    def __init__(self, size: int = 50) -> None:
+        self.size = size
+        self.values: list[float] = []
+
+    def add(self, value: float) -> float:
+        self.values = [*self.values[-(self.size - 1) :], value]
+        return self.mean
+
+    @property
+    def mean(self) -> float:
+        return sum(self.values) / len(self.values) if self.values else float("nan")
+
+
+# ------------------------------------------------------------------------------------------------
+# Command line
+
+
+def add_common_args(p: argparse.ArgumentParser, defaults: Common) -> None:
+    """The flags every `specdecode train METHOD` takes, with a method's defaults."""
+    d = defaults
+    p.add_argument("--model", default=d.model, help="target: short name, .gguf file or HF directory")
+    p.add_argument("--data", required=True, help="ShareGPT JSON file (a cut-off file is fine)")
+    p.add_argument("--out", required=True, help="output directory: head, config, report, cache/")
+    p.add_argument("--max-conversations", type=int, default=d.max_conversations)
+    p.add_argument("--max-len", type=int, default=d.max_len, help="tokens per sample (prompt + answer)")
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="positions per step")
+    p.add_argument(
+        "--self-distill", action="store_true", help="train on the target's own greedy answers to the prompts"
+    )
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    p.add_argument("--heldout", type=float, default=d.heldout, help="held-out share (< 1) or count")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints")
+    p.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32"], help="target and matmuls")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA when available)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--feature-batch-size", type=int, default=d.feature_batch_size)
+    p.add_argument("--eval-prompts", type=int, default=d.eval_prompts, help="held-out prompts for τ")
+    p.add_argument("--eval-tokens", type=int, default=d.eval_tokens, help="tokens per τ prompt")
+
+
+def common_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The common settings from parsed flags (checked), as keyword arguments; applies --threads."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    for name in ("max_conversations", "max_len", "epochs", "batch_size", "save_every"):
+        if getattr(args, name) < 1:
+            raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    names = (
+        "data", "out", "model", "max_conversations", "max_len", "epochs", "lr", "batch_size",
+        "self_distill", "resume", "heldout", "seed", "save_every", "dtype", "device",
+        "feature_batch_size", "eval_prompts", "eval_tokens", "max_steps",
+    )  # fmt: skip
+    return {name: getattr(args, name) for name in names}
