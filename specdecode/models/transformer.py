@@ -101,14 +101,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Block(nn.Module):
-    """Pre-norm attention + SwiGLU MLP."""
+    """Pre-norm attention + SwiGLU MLP.
 
-    def __init__(self, config: ModelConfig, index: int) -> None:
+    `input_norm` False drops the norm before attention (an identity): EAGLE's draft layer reads
+    the output of its fc projection as it is."""
+
+    def __init__(self, config: ModelConfig, index: int, input_norm: bool = True) -> None:
         super().__init__()
         self.index = index
         self.n_heads, self.n_kv, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_norm: nn.Module = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps) if input_norm else nn.Identity()
+        )
         self.qkv = Dense(config.hidden_size, q_dim + 2 * kv_dim, bias=config.attention_bias)
         self.o = Dense(q_dim, config.hidden_size)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
