@@ -69,7 +69,9 @@ def _choices_json(text: str) -> list[list[int]]:
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (options of other methods are an error)")
     g.add_argument(
-        "--method", choices=["none", "draft_model", "prompt_lookup", "lookahead", "medusa"], default=None
+        "--method",
+        choices=["none", "draft_model", "prompt_lookup", "lookahead", "medusa", "redrafter"],
+        default=None,
     )
     g.add_argument("--draft-model", default=None, help="draft_model / prompt_lookup: the draft model")
     g.add_argument("--num-draft-tokens", "--max-draft-len", type=int, default=None, dest="num_draft_tokens")
@@ -93,9 +95,15 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         "--posterior-threshold", type=float, default=None, help="medusa: typical acceptance epsilon"
     )
     g.add_argument("--posterior-alpha", type=float, default=None, help="medusa: typical acceptance delta")
+    g.add_argument(
+        "--head", default=None, help="redrafter: drafter directory (default: the one shipped for the model)"
+    )
+    g.add_argument("--beam-width", type=int, default=None, help="redrafter: beams searched")
+    g.add_argument("--beam-length", type=int, default=None, help="redrafter: tokens per beam, root included")
 
 
 MEDUSA_OPTIONS = ("heads", "medusa_choices", "typical_acceptance", "posterior_threshold", "posterior_alpha")
+BEAM_OPTIONS = ("beam_width", "beam_length")  # redrafter's own; --head is shared by one-head methods
 
 
 def speculative_settings(args: argparse.Namespace) -> dict[str, object] | None:
@@ -108,6 +116,8 @@ def speculative_settings(args: argparse.Namespace) -> dict[str, object] | None:
         "prompt_lookup_num_tokens",
         "max_matching_ngram_size",
         *MEDUSA_OPTIONS,
+        "head",
+        *BEAM_OPTIONS,
     ):
         if getattr(args, name) is not None:
             spec[name] = getattr(args, name)
@@ -119,6 +129,8 @@ def speculative_settings(args: argparse.Namespace) -> dict[str, object] | None:
             method = "lookahead"
         elif any(name in spec for name in MEDUSA_OPTIONS):
             method = "medusa"
+        elif any(name in spec for name in BEAM_OPTIONS):
+            method = "redrafter"
     if method is None and not spec:
         return None
     return {"method": method, **spec}
@@ -197,6 +209,12 @@ def cmd_train_medusa(args: argparse.Namespace) -> None:
     main_args(args)
 
 
+def cmd_train_redrafter(args: argparse.Namespace) -> None:
+    from specdecode.train.redrafter import main_args
+
+    main_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -238,6 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_medusa_args(medusa)
     medusa.set_defaults(func=cmd_train_medusa)
+    redrafter = tsub.add_parser("redrafter", help="a ReDrafter (Cheng et al. 2024) from ShareGPT data")
+    from specdecode.train.redrafter import add_args as add_redrafter_args
+
+    add_redrafter_args(redrafter)
+    redrafter.set_defaults(func=cmd_train_redrafter)
     return parser
 
 

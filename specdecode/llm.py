@@ -28,12 +28,14 @@ from specdecode.spec_config import (
     LookaheadConfig,
     MedusaConfig,
     PromptLookupConfig,
+    ReDrafterConfig,
     SpecConfig,
     parse_speculative,
 )
 
 if TYPE_CHECKING:
     from specdecode.drafters.medusa import MedusaHeads
+    from specdecode.drafters.redrafter import ReDrafterHead
 
 DTYPES = {
     "float32": torch.float32,
@@ -142,6 +144,7 @@ class LLM:
         self.engine = Engine(self.model)
         self._draft_models: dict[str, Transformer] = {}
         self._medusa_heads: dict[str, MedusaHeads] = {}
+        self._redrafter_heads: dict[str, ReDrafterHead] = {}
         if self.speculative is not None:
             self._drafter(self.speculative)  # load a draft model now and fail early on bad settings
 
@@ -184,6 +187,18 @@ class LLM:
             self._medusa_heads[where] = heads
         return self._medusa_heads[where]
 
+    def redrafter_head(self, path: str | None) -> ReDrafterHead:
+        """A ReDrafter from `path` (None: the one shipped for this model), loaded once and checked
+        to fit the target's hidden size and vocabulary."""
+        from specdecode.drafters.redrafter import check_fits, load_head, shipped_head
+
+        where = str(shipped_head(self.model_name) if path is None else Path(path).expanduser().resolve())
+        if where not in self._redrafter_heads:
+            head = load_head(where, self.model.dtype, self.model.device)
+            check_fits(head, self.model, f"ReDrafter {where}")
+            self._redrafter_heads[where] = head
+        return self._redrafter_heads[where]
+
     def _drafter(self, spec: SpecConfig | None) -> Drafter | None:
         """A fresh drafter for one request (drafters keep per-request state)."""
         vocab = self.model.config.vocab_size
@@ -209,6 +224,10 @@ class LLM:
             from specdecode.drafters.medusa import MedusaDrafter
 
             return MedusaDrafter(self.medusa_heads(spec.heads), self.model, spec.medusa_choices, spec.typical)
+        if isinstance(spec, ReDrafterConfig):
+            from specdecode.drafters.redrafter import ReDrafter
+
+            return ReDrafter(self.redrafter_head(spec.head), self.model, spec.beam_width, spec.beam_length)
         raise AssertionError(f"no drafter for {spec!r}")
 
     # ---- prompts -------------------------------------------------------------------------------

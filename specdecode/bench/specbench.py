@@ -28,6 +28,7 @@ from specdecode.spec_config import (
     DraftModelConfig,
     LookaheadConfig,
     PromptLookupConfig,
+    ReDrafterConfig,
     SpecConfig,
     parse_speculative,
 )
@@ -121,6 +122,8 @@ def label_of(spec: SpecConfig | None) -> str:
         return f"prompt_lookup[k={spec.prompt_lookup_num_tokens},n={spec.max_matching_ngram_size}{extra}]"
     if isinstance(spec, LookaheadConfig):
         return f"lookahead[{spec.window_size},{spec.ngram_size},{spec.verification_set_size}]"
+    if isinstance(spec, ReDrafterConfig):
+        return f"redrafter[w={spec.beam_width},l={spec.beam_length}]"
     return spec.method
 
 

@@ -1,0 +1,423 @@
+"""ReDrafter: a small recurrent drafter on the target's last hidden state, searched by beams.
+
+Cheng et al. 2024, "Recurrent Drafter for Fast Speculative Decoding in Large Language Models"
+(arXiv 2403.09919). The drafter reads two things: the target's final hidden state h at the row
+that produced the root (as Medusa, see `drafters/medusa.py` for that bookkeeping), and a
+recurrent state s that it updates from each token of the beam it is extending, starting from
+the root itself:
+
+    s_0 = 0,   s_k = SiLU(W e(x_k) + U s_{k-1} + b)       x_1 = the root, e = target's embedding
+    logits_k = LMHead(ResBlocks(Proj([h, s_k])))          the token after x_k
+
+so unlike Medusa's independent heads each guess knows the guesses before it. Worked example,
+prompt "A B C" (root C): h = h(B), whose LM-head output was C; s_1 = f(e(C)) predicts the token
+after C, say D; s_2 = f(e(D), s_1) predicts the one after D.
+
+**Beam search** (`beam_search`): `beam_width` beams of `beam_length` tokens counting the root, as
+the reference implementation counts them, so each beam drafts `beam_length - 1` tokens. Each
+step extends every beam by every token and keeps the `beam_width` best by summed log
+probability. **Merging** (`merge_beams`): beams share prefixes (often their first tokens), so
+the tree has one node per distinct prefix and the target checks each prefix once; the verifier's
+walk down the tree then finds the longest accepted beam.
+
+**Draft probabilities.** Beam search is deterministic: given the context, which tokens become
+nodes, and in which sibling order, is fixed, so each node's token is a point mass given
+everything before it. The tree therefore carries no `draft_probs` and `verify_sampling` treats
+the nodes as point masses, which is exact (its docstring's induction). Reporting the drafter's
+softmax at the parent as q instead would be wrong: the tokens were not drawn from it, and the
+distribution test in tests/test_redrafter.py fails that variant.
+
+Checkpoints are directories, in one of two layouts:
+
+- specdecode's: `redrafter.safetensors` + `config.json` (`method` "redrafter", `hidden_size`,
+  `vocab_size`, `exit_dim`, `num_layers`, `rnn`, `shared_lm_head`, `target`). A drafter sharing
+  the target's LM head (exit_dim = hidden size) stores no LM-head weights.
+- the reference implementation's (apple/ml-recurrent-drafter, a transformers `save_pretrained`
+  directory): `model.safetensors` or `pytorch_model.bin` with `input_proj.*` (absent when
+  exit_dim = 2 x hidden size), `lm_head.{j}.linear.*` for residual block j,
+  `lm_head.{num_draft_layers}.weight` for its LM head, `rnn_u.*`, `rnn_w.weight`, next to a
+  `config.json` with `model_type` "recurrent_drafting_drafter", `hidden_size`, `vocab_size`,
+  `exit_dim`, `num_draft_layers`, `rnn`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdecode.drafters.base import Drafter, Proposal, StepResult
+from specdecode.drafters.medusa import ResBlock
+from specdecode.errors import SpecDecodeError
+from specdecode.models.transformer import Transformer
+from specdecode.tree import DraftTree
+
+if TYPE_CHECKING:
+    from specdecode.engine import Request
+
+WEIGHTS = "redrafter.safetensors"
+CONFIG = "config.json"
+REFERENCE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+REFERENCE_MODEL_TYPE = "recurrent_drafting_drafter"
+SHIPPED = Path(__file__).resolve().parents[1] / "heads"
+
+
+class ReDrafterHead(nn.Module):
+    """The recurrent drafter's weights: the state update, the input projection, the residual
+    blocks and (unless shared with the target) an LM head.
+
+    `rnn` False is the reference's simpler variant, s_k = s_{k-1} + e(x_k). `exit_dim` is the
+    width of the residual blocks: the hidden size when sharing the target's LM head (the
+    projection then maps [h, s] down to it), 2 x hidden size for the reference's own-head
+    drafters (no projection).
+
+    Built to start from the target's own next-token guess: the projection passes h through and
+    ignores s, the blocks are the identity; training learns to use the state.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        num_layers: int = 2,
+        exit_dim: int | None = None,
+        rnn: bool = True,
+        shared_lm_head: bool = True,
+    ) -> None:
+        super().__init__()
+        exit_dim = hidden_size if exit_dim is None else exit_dim
+        if num_layers < 0 or hidden_size < 1 or vocab_size < 1 or exit_dim < 1:
+            raise SpecDecodeError(
+                f"ReDrafter needs positive sizes and >= 0 layers, got hidden {hidden_size}, "
+                f"vocabulary {vocab_size}, exit_dim {exit_dim}, layers {num_layers}"
+            )
+        if shared_lm_head and exit_dim != hidden_size:
+            raise SpecDecodeError(
+                f"a ReDrafter sharing the target's LM head needs exit_dim = hidden size {hidden_size}, "
+                f"got {exit_dim}"
+            )
+        self.hidden_size, self.vocab_size, self.exit_dim = hidden_size, vocab_size, exit_dim
+        self.num_layers, self.rnn, self.shared_lm_head = num_layers, rnn, shared_lm_head
+        if rnn:
+            self.rnn_w = nn.Linear(hidden_size, hidden_size, bias=False)
+            self.rnn_u = nn.Linear(hidden_size, hidden_size, bias=True)
+        self.input_proj: nn.Linear | None = None
+        if exit_dim != 2 * hidden_size:
+            self.input_proj = nn.Linear(2 * hidden_size, exit_dim, bias=True)
+            with torch.no_grad():
+                self.input_proj.weight.zero_()
+                self.input_proj.bias.zero_()
+                self.input_proj.weight[:, :hidden_size].copy_(torch.eye(exit_dim, hidden_size))
+        self.blocks = nn.Sequential(*(ResBlock(exit_dim) for _ in range(num_layers)))
+        self.lm_head = None if shared_lm_head else nn.Linear(exit_dim, vocab_size, bias=False)
+
+    def step(self, state: Tensor, embedding: Tensor) -> Tensor:
+        """(..., C) state and (..., C) embedding of the beam's last token -> (..., C) next state."""
+        if self.rnn:
+            return F.silu(self.rnn_w(embedding) + self.rnn_u(state))
+        return state + embedding
+
+    def features(self, context: Tensor, state: Tensor) -> Tensor:
+        """(..., C) target hidden state and (..., C) recurrent state -> (..., E) LM-head input."""
+        x = torch.cat([context, state], dim=-1)  # (..., 2C)
+        if self.input_proj is not None:
+            x = self.input_proj(x)
+        return self.blocks(x)
+
+    def forward(self, context: Tensor, state: Tensor, shared_weight_t: Tensor | None = None) -> Tensor:
+        """(..., C), (..., C) -> (..., V) logits of the token after the beam's last token.
+
+        `shared_weight_t` (C, V) is the target's LM head (`Transformer.head_weight_t()`),
+        required when the drafter shares it; the features are cast to its dtype (a bfloat16
+        copy keeps the big matmul in bfloat16 while training)."""
+        feats = self.features(context, state)
+        if self.lm_head is None:
+            if shared_weight_t is None:
+                raise ValueError("this drafter shares the target's LM head: pass its weight_t")
+            return feats.to(shared_weight_t.dtype) @ shared_weight_t
+        return self.lm_head(feats)
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "method": "redrafter",
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "exit_dim": self.exit_dim,
+            "num_layers": self.num_layers,
+            "rnn": self.rnn,
+            "shared_lm_head": self.shared_lm_head,
+        }
+
+
+# ------------------------------------------------------------------------------------------------
+# Beam search and the tree
+
+
+@torch.inference_mode()
+def beam_search(
+    head: ReDrafterHead,
+    context: Tensor,
+    root: int,
+    embedding: Tensor,
+    head_weight_t: Tensor | None,
+    width: int,
+    depth: int,
+) -> tuple[Tensor, Tensor]:
+    """The `width` most likely continuations of `root`, `depth` tokens each, best first.
+
+    `context` (C,) is the target's hidden state that produced the root; `embedding` (V, C) the
+    target's input embedding; `head_weight_t` (C, V) its LM head (for a shared-head drafter).
+    Returns beams (B, depth) long and their summed log probabilities (B,), B <= width (fewer
+    only when the vocabulary is smaller than the width). The first step extends the root
+    alone, so no two beams are ever the same sequence.
+    """
+    device = context.device
+    state = torch.zeros(1, head.hidden_size, dtype=context.dtype, device=device)  # (B, C)
+    last = torch.tensor([root], device=device)  # (B,)
+    scores = torch.zeros(1, device=device)  # (B,) float32
+    beams = torch.zeros(1, 0, dtype=torch.long, device=device)  # (B, d)
+    for _ in range(depth):
+        state = head.step(state, embedding[last])  # (B, C)
+        logits = head(context.expand_as(state), state, head_weight_t)  # (B, V)
+        total = scores[:, None] + torch.log_softmax(logits.float(), dim=-1)  # (B, V)
+        vocab = total.shape[1]
+        scores, flat = total.flatten().topk(min(width, total.numel()))  # (B',)
+        parent, last = flat // vocab, flat % vocab
+        beams = torch.cat([beams[parent], last[:, None]], dim=1)
+        state = state[parent]
+    return beams, scores
+
+
+def merge_beams(beams: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """Beams (token lists after the root) -> (tokens, parents) of the tree with one node per
+    distinct prefix, in the numbering of `DraftTree` (parents: 0 = root).
+
+    Nodes come depth by depth and, within a depth, in the order of the first beam holding
+    them, so a parent always precedes its children and any first n nodes form a tree.
+    Example: beams [[5, 6, 7], [5, 8], [9]] -> tokens [5, 9, 6, 8, 7], parents [0, 0, 1, 1, 3].
+    """
+    node_of: dict[tuple[int, ...], int] = {(): 0}
+    tokens: list[int] = []
+    parents: list[int] = []
+    for depth in range(1, max((len(b) for b in beams), default=0) + 1):
+        for beam in beams:
+            if len(beam) < depth:
+                continue
+            prefix = tuple(beam[:depth])
+            if prefix not in node_of:
+                tokens.append(prefix[-1])
+                parents.append(node_of[prefix[:-1]])
+                node_of[prefix] = len(tokens)
+    return tokens, parents
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def save_head(
+    head: ReDrafterHead,
+    out: str | Path,
+    target: str,
+    dtype: torch.dtype = torch.float16,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write `head` in specdecode's layout to the directory `out`; weights stored as `dtype`."""
+    from safetensors.torch import save_file
+
+    from specdecode.models.cache import atomic_file
+
+    out = Path(out)
+    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in head.state_dict().items()}
+    with atomic_file(out / WEIGHTS) as tmp:
+        save_file(tensors, str(tmp))
+    config = {**head.config(), "target": target, "dtype": str(dtype).removeprefix("torch."), **(extra or {})}
+    with atomic_file(out / CONFIG) as tmp:
+        tmp.write_text(json.dumps(config, indent=1) + "\n")
+    return out
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    file = path / CONFIG
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpecDecodeError(f"{file} is not valid JSON ({exc})") from None
+    return config if isinstance(config, dict) else {}
+
+
+def _read_tensors(file: Path) -> dict[str, Tensor]:
+    try:
+        if file.suffix == ".bin":
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        else:
+            from safetensors.torch import load_file
+
+            state = load_file(str(file))
+    except Exception as exc:  # safetensors and torch.load raise many types for a damaged file
+        raise SpecDecodeError(f"cannot read ReDrafter weights {file}: {exc}") from None
+    if not isinstance(state, dict):
+        raise SpecDecodeError(f"{file} does not hold a state dict")
+    return state
+
+
+def _load_state(head: ReDrafterHead, state: dict[str, Tensor], source: Path) -> None:
+    expected = head.state_dict()
+    missing = sorted(expected.keys() - state.keys())
+    if missing:
+        raise SpecDecodeError(f"{source} is missing ReDrafter weights, e.g. {missing[0]!r}")
+    for name, param in expected.items():
+        if state[name].shape != param.shape:
+            raise SpecDecodeError(
+                f"{source}: weight {name} has shape {tuple(state[name].shape)}, expected {tuple(param.shape)}"
+            )
+    head.load_state_dict({name: state[name] for name in expected})
+
+
+def _build(config: dict[str, Any], source: Path, layers_key: str, shared: bool) -> ReDrafterHead:
+    try:
+        return ReDrafterHead(
+            int(config["hidden_size"]),
+            int(config["vocab_size"]),
+            int(config[layers_key]),
+            int(config["exit_dim"]),
+            bool(config.get("rnn", True)),
+            shared,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SpecDecodeError(f"{source} is not a ReDrafter config ({exc!r})") from None
+
+
+def _load_reference(file: Path, config: dict[str, Any]) -> ReDrafterHead:
+    """The reference layout: `lm_head` is `Sequential(ResBlock * L, Linear(E, V))`."""
+    head = _build(config, file.parent / CONFIG, "num_draft_layers", shared=False)
+    # A drafter saved from the reference's training wrapper carries a "drafter." prefix.
+    state = {k.removeprefix("drafter."): v for k, v in _read_tensors(file).items()}
+    renamed: dict[str, Tensor] = {}
+    for name, tensor in state.items():
+        parts = name.split(".")
+        if parts[0] != "lm_head":
+            renamed[name] = tensor
+        elif parts[1] == str(head.num_layers):
+            renamed["lm_head." + ".".join(parts[2:])] = tensor
+        else:
+            renamed["blocks." + ".".join(parts[1:])] = tensor
+    _load_state(head, renamed, file)
+    return head
+
+
+def load_head(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> ReDrafterHead:
+    """A ReDrafter from a directory in either layout (see the module docstring)."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise SpecDecodeError(f"ReDrafter {root}: no such directory")
+    config = _read_config(root)
+    if (root / WEIGHTS).is_file():
+        if config.get("method") != "redrafter":
+            raise SpecDecodeError(
+                f"{root / CONFIG} is missing or not a ReDrafter config (method != 'redrafter')"
+            )
+        head = _build(config, root / CONFIG, "num_layers", bool(config.get("shared_lm_head", True)))
+        _load_state(head, _read_tensors(root / WEIGHTS), root / WEIGHTS)
+    else:
+        found = [root / name for name in REFERENCE_WEIGHTS if (root / name).is_file()]
+        if not found or config.get("model_type") != REFERENCE_MODEL_TYPE:
+            raise SpecDecodeError(
+                f"no ReDrafter in {root}: expected {WEIGHTS} + {CONFIG} (specdecode) or "
+                f"{' / '.join(REFERENCE_WEIGHTS)} + a {CONFIG} of model_type {REFERENCE_MODEL_TYPE!r} "
+                "(apple/ml-recurrent-drafter)"
+            )
+        head = _load_reference(found[0], config)
+    return head.to(device=device, dtype=dtype).eval()
+
+
+def shipped_head(model_name: str) -> Path:
+    """The ReDrafter directory shipped for the model `model_name` (a short name), or a clear error."""
+    path = SHIPPED / model_name / "redrafter"
+    if (path / WEIGHTS).is_file():
+        return path
+    have = sorted(p.parent.name for p in SHIPPED.glob("*/redrafter") if (p / WEIGHTS).is_file())
+    raise SpecDecodeError(
+        f"no ReDrafter ships for model {model_name!r} (shipped for: {', '.join(have) or 'none'}); "
+        f"train one with `specdecode train redrafter --model {model_name} --data FILE --out DIR` "
+        "and pass head=DIR"
+    )
+
+
+def check_fits(head: ReDrafterHead, target: Transformer, source: str = "ReDrafter") -> None:
+    """The drafter reads the target's hidden states and embeddings and produces its token ids."""
+    cfg = target.config
+    if head.hidden_size != cfg.hidden_size or head.vocab_size != cfg.vocab_size:
+        raise SpecDecodeError(
+            f"{source} was trained for another target: hidden size {head.hidden_size}, vocabulary "
+            f"{head.vocab_size}; this target has hidden size {cfg.hidden_size}, vocabulary {cfg.vocab_size}"
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# The drafter
+
+
+class ReDrafter(Drafter):
+    """Drafts the merged beams of a beam search from the hidden state that produced the root.
+
+    Made per request. `beam_length` counts the root (the reference's convention): each beam
+    drafts `beam_length - 1` tokens, and the tree has at most `beam_width * (beam_length - 1)`
+    nodes, fewer where beams share prefixes.
+    """
+
+    def __init__(self, head: ReDrafterHead, target: Transformer, beam_width: int, beam_length: int) -> None:
+        check_fits(head, target)
+        if beam_width < 1 or beam_length < 2:
+            raise SpecDecodeError(
+                f"redrafter: beam_width must be >= 1 and beam_length >= 2, got {beam_width}, {beam_length}"
+            )
+        self.head = head
+        self.target = target
+        self.width = beam_width
+        self.depth = beam_length - 1
+        self.max_nodes = beam_width * self.depth
+        self.hidden: Tensor | None = None  # (C,) the row whose target output is the current root
+
+    def begin(self, req: Request, prompt_hidden: Tensor | None) -> None:
+        """Keep the last prompt row: its target output is the prompt's last token, the first root."""
+        if prompt_hidden is not None and prompt_hidden.shape[0] > 0:
+            self.hidden = prompt_hidden[-1].clone()
+        else:
+            self.hidden = None
+
+    def propose(self, req: Request) -> Proposal:
+        room = req.max_len - len(req.all_ids)  # draft nodes the request's cache still holds
+        if room <= 0:
+            return Proposal(DraftTree.empty())
+        if self.hidden is None:
+            # A one-token prompt has no row before its root; a one-node guess (the root
+            # repeated) gets the target to compute one, as in `MedusaDrafter.propose`.
+            return Proposal(DraftTree.chain([req.root]))
+        beams, _ = beam_search(
+            self.head,
+            self.hidden,
+            req.root,
+            self.target.embed.weight,
+            self.target.head_weight_t(),
+            self.width,
+            self.depth,
+        )
+        tokens, parents = merge_beams(beams.tolist())
+        n = min(len(tokens), room)  # nodes come depth by depth: a prefix is a tree
+        return Proposal(
+            DraftTree(torch.tensor(tokens[:n], dtype=torch.long), torch.tensor(parents[:n], dtype=torch.long))
+        )
+
+    def observe(self, req: Request, result: StepResult) -> None:
+        accepted = result.verdict.accepted_nodes
+        self.hidden = result.hidden[accepted[-1] if accepted else 0].clone()

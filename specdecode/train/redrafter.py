@@ -1,0 +1,338 @@
+"""Training a ReDrafter on a frozen target: `specdecode train redrafter`.
+
+    specdecode train redrafter --model smollm2-135m --data sharegpt.json --out runs/redrafter --self-distill
+
+Pipeline as for Medusa (`train/medusa.py`): ShareGPT conversations -> the target's hidden states
+over the answers, or over its own greedy answers with `--self-distill` (cached under OUT/cache)
+-> the drafter trained with AdamW -> OUT/redrafter.safetensors + OUT/config.json -> held-out
+figures: per-position top-1 accuracy (teacher-forced) and τ of real greedy ReDrafter decoding.
+
+Loss, at a position t whose state h_t produced the token x_{t+1} (the root when decoding): the
+recurrent state is fed x_{t+1}, x_{t+2}, ... (the true tokens: teacher forcing, as beam search
+feeds each beam its own tokens) and step k (k = 1..D) predicts x_{t+1+k} by cross-entropy,
+weighted 0.8^(k-1) since a later token only counts when the earlier ones were right. Only
+tokens the assistant wrote, in one run, are targets. `distill` > 0 mixes in the cross-entropy
+against the target's own distribution at that place (its LM head on the stored h_{t+k}), the
+reference implementation's knowledge distillation; with self-distilled data the hard labels
+already are the target's greedy tokens.
+
+Cost on a CPU: the time goes into the shared, frozen LM head over D rows per position (forward
+and backward through it), in bfloat16 as for Medusa.
+
+Data, features, the loop, checkpoints and `--resume` come from `pipeline` (shared by every
+method's training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specdecode.drafters.redrafter import ReDrafter, ReDrafterHead, load_head, save_head
+from specdecode.errors import SpecDecodeError
+from specdecode.train.features import Features
+from specdecode.train.medusa import IGNORE
+from specdecode.train.pipeline import (
+    STATE,
+    RecentMean,
+    add_common_args,
+    common_kwargs,
+    fingerprint,
+    measure_tau,
+    prepare,
+    total_steps,
+    train_loop,
+)
+
+DEPTH_DECAY = 0.8
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Everything a run depends on; `specdecode train redrafter --help` describes each."""
+
+    data: str
+    out: str
+    model: str = "smollm2-135m"
+    num_layers: int = 2
+    depth: int = 4
+    distill: float = 0.0
+    max_conversations: int = 1000
+    max_len: int = 384
+    epochs: int = 2
+    lr: float = 1e-3
+    batch_size: int = 256
+    self_distill: bool = False
+    resume: bool = False
+    heldout: float = 0.04
+    seed: int = 0
+    save_every: int = 100
+    dtype: str = "bfloat16"
+    device: str | None = None
+    feature_batch_size: int = 32
+    beam_width: int = 4
+    eval_prompts: int = 4
+    eval_tokens: int = 128
+    max_steps: int | None = None
+    progress: bool = True
+
+
+@dataclass
+class Positions:
+    """Training positions over the flattened hidden states of all samples.
+
+    Row r of `hidden` is some sample's state at some t; the rows of one sample are consecutive,
+    so the state at t+k is row r+k (used for distillation, only where the label exists)."""
+
+    hidden: Tensor  # (R, C) float16: every sample's states, concatenated
+    rows: Tensor  # (P,) long: row of h_t for each position
+    tokens: Tensor  # (P, D+1) long: x_{t+1} (fed first), then labels x_{t+2..t+1+D} or IGNORE
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def depth(self) -> int:
+        return int(self.tokens.shape[1]) - 1
+
+
+def positions(features: Features, depth: int) -> Positions:
+    """Every t whose token t+2 the assistant wrote; label k (1..D) is x_{t+1+k} while the tokens
+    t+2..t+1+k are all assistant tokens of one run (later labels are IGNORE once one is)."""
+    hidden, rows, tokens = [], [], []
+    offset = 0
+    for ids, mask, states in zip(features.ids, features.mask, features.hidden, strict=True):
+        n = int(ids.shape[0])
+        flags = mask.tolist()
+        run = [0] * n  # run[i]: assistant tokens in a row ending at i
+        for i in range(n):
+            run[i] = run[i - 1] + 1 if flags[i] and i else int(flags[i])
+        picked = [t for t in range(n - 2) if flags[t + 2]]
+        if picked:
+            table = torch.full((len(picked), depth + 1), IGNORE, dtype=torch.long)  # (R_i, D+1)
+            for r, t in enumerate(picked):
+                table[r, 0] = int(ids[t + 1])
+                for k in range(1, depth + 1):
+                    if t + 1 + k < n and run[t + 1 + k] >= k:
+                        table[r, k] = int(ids[t + 1 + k])
+            rows.append(torch.tensor(picked) + offset)
+            tokens.append(table)
+        hidden.append(states)
+        offset += int(states.shape[0])
+    if not rows:
+        raise SpecDecodeError("no training positions: the samples have no assistant tokens")
+    return Positions(torch.cat(hidden), torch.cat(rows), torch.cat(tokens))
+
+
+def drafter_logits(
+    head: ReDrafterHead, context: Tensor, tokens: Tensor, embedding: Tensor, lm_weight: Tensor
+) -> Tensor:
+    """Teacher-forced logits: context (B, C), fed tokens (B, D) (the first is x_{t+1}),
+    embedding (V, C), lm_weight (C, V) -> (B, D, V) in lm_weight's dtype (own head: float32)."""
+    state = torch.zeros_like(context)  # (B, C)
+    feats = []
+    for k in range(tokens.shape[1]):
+        state = head.step(state, embedding[tokens[:, k]])
+        feats.append(head.features(context, state))
+    stacked = torch.stack(feats, dim=1)  # (B, D, E)
+    if head.lm_head is None:
+        return stacked.to(lm_weight.dtype) @ lm_weight
+    return head.lm_head(stacked)
+
+
+def depth_weights(depth: int) -> Tensor:
+    return torch.tensor([DEPTH_DECAY**k for k in range(depth)])  # (D,)
+
+
+def redrafter_loss(
+    logits: Tensor, labels: Tensor, soft: Tensor | None = None, distill: float = 0.0
+) -> Tensor:
+    """Weighted cross-entropy of logits (B, D, V) against labels (B, D) -> scalar; with `soft`
+    (B, D, V) target probabilities, (1 - distill) x that + distill x the soft cross-entropy."""
+    b, d, v = logits.shape
+    valid = labels != IGNORE  # (B, D)
+    ce = F.cross_entropy(logits.reshape(-1, v), labels.reshape(-1), ignore_index=IGNORE, reduction="none")
+    per_token = ce.float().view(b, d)  # (B, D)
+    if soft is not None and distill > 0:
+        soft_ce = -(soft * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # (B, D)
+        per_token = (1 - distill) * per_token + distill * torch.where(valid, soft_ce, 0.0)
+    per_depth = per_token.sum(0) / valid.sum(0).clamp(min=1)  # (D,)
+    return (depth_weights(d).to(per_depth.device) * per_depth).sum()
+
+
+def fit(
+    head: ReDrafterHead,
+    embedding: Tensor,
+    lm_weight: Tensor,
+    data: Positions,
+    settings: TrainSettings,
+    state_file: Path,
+) -> dict[str, float]:
+    """Train `head` in place on `data`, checkpointing to `state_file` (resumed when it exists;
+    Ctrl-C as in `pipeline.train_loop`). `embedding` (V, C) and `lm_weight` (C, V) are the
+    target's, frozen, `lm_weight` in the compute dtype. Returns the mean loss of the last 50
+    steps and the last batch's depth-1 accuracy."""
+    device = lm_weight.device
+    if lm_weight.is_inference():  # made under inference_mode (a cached tied head): autograd needs a copy
+        lm_weight = lm_weight.clone()
+    embedding = embedding.detach().float()
+    keys = ("model", "num_layers", "depth", "distill", "lr", "batch_size", "seed", "dtype")
+    total = total_steps(settings, len(data))
+    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
+    recent = RecentMean()
+    figures = {"loss": float("nan"), "acc1": float("nan")}
+
+    def step(idx: Tensor) -> dict[str, float]:
+        rows = data.rows[idx]  # (B,)
+        tokens = data.tokens[idx].to(device)  # (B, D+1)
+        context = data.hidden[rows].to(device, torch.float32)  # (B, C)
+        fed, labels = tokens[:, :-1].clamp(min=0), tokens[:, 1:]  # (B, D) each
+        soft = None
+        if settings.distill > 0:
+            later = rows[:, None] + torch.arange(1, data.depth + 1)  # (B, D) rows of h_{t+k}
+            later = later.clamp(max=data.hidden.shape[0] - 1)  # past the end only where IGNORE
+            with torch.no_grad():
+                target_logits = data.hidden[later].to(device, lm_weight.dtype) @ lm_weight
+                soft = torch.softmax(target_logits.float(), dim=-1)  # (B, D, V)
+        logits = drafter_logits(head, context, fed, embedding, lm_weight)  # (B, D, V)
+        loss = redrafter_loss(logits, labels, soft, settings.distill)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        valid1 = labels[:, 0] != IGNORE  # (B,)
+        hits1 = int((logits[:, 0].detach().argmax(-1) == labels[:, 0])[valid1].sum())
+        figures.update(loss=recent.add(float(loss.detach())), acc1=hits1 / max(int(valid1.sum()), 1))
+        return {"loss": recent.values[-1], "acc1": figures["acc1"]}
+
+    train_loop(
+        head,
+        optimizer,
+        step,
+        num_items=len(data),
+        settings=settings,
+        state_file=state_file,
+        fingerprint=fingerprint(settings, keys, positions=len(data), total=total),
+        desc="redrafter",
+    )
+    return figures
+
+
+@torch.no_grad()
+def top1_by_depth(
+    head: ReDrafterHead, embedding: Tensor, lm_weight: Tensor, data: Positions, chunk: int = 256
+) -> list[float]:
+    """Teacher-forced top-1 accuracy of each depth's guess on `data`."""
+    hits = torch.zeros(data.depth)
+    counts = torch.zeros(data.depth)
+    embedding = embedding.float()
+    for s in range(0, len(data), chunk):
+        tokens = data.tokens[s : s + chunk].to(lm_weight.device)  # (B, D+1)
+        context = data.hidden[data.rows[s : s + chunk]].to(lm_weight.device, torch.float32)  # (B, C)
+        logits = drafter_logits(head, context, tokens[:, :-1].clamp(min=0), embedding, lm_weight)
+        labels = tokens[:, 1:]
+        valid = labels != IGNORE  # (B, D)
+        hits += ((logits.argmax(-1) == labels) & valid).sum(0).cpu()
+        counts += valid.sum(0).cpu()
+    return (hits / counts.clamp(min=1)).tolist()
+
+
+def train(settings: TrainSettings) -> dict[str, Any]:
+    """The whole pipeline; returns (and writes to OUT/report.json) what it measured."""
+    started = time.perf_counter()
+    prep = prepare(settings)
+    target, out, device = prep.target, prep.out, prep.device
+    cfg = target.config
+    train_set, held_set = positions(prep.train, settings.depth), positions(prep.heldout, settings.depth)
+    print(
+        f"data: {len(prep.train)} training samples ({prep.train.num_tokens} tokens, {len(train_set)} "
+        f"positions), {len(prep.heldout)} held out ({len(held_set)} positions); "
+        f"features {prep.features_s:.0f} s"
+    )
+
+    torch.manual_seed(settings.seed)
+    head = ReDrafterHead(cfg.hidden_size, cfg.vocab_size, settings.num_layers).to(device)
+    lm_weight = target.head_weight_t().detach().to(target.dtype)  # (C, V), frozen
+    embedding = target.embed.weight.detach()  # (V, C), frozen
+    t0 = time.perf_counter()
+    figures = fit(head, embedding, lm_weight, train_set, settings, out / "cache" / STATE)
+    train_s = time.perf_counter() - t0
+
+    top1 = [round(a, 4) for a in top1_by_depth(head, embedding, lm_weight, held_set)]
+    beam_length = settings.depth + 1
+    report: dict[str, Any] = {
+        "heldout_top1": top1,
+        "heldout_positions": len(held_set),
+        "train_positions": len(train_set),
+        "train_samples": len(prep.train),
+        "train_loss": round(figures["loss"], 4) if math.isfinite(figures["loss"]) else None,
+        "features_s": round(prep.features_s, 1),
+        "train_s": round(train_s, 1),
+        "settings": {k: v for k, v in asdict(settings).items() if k not in ("resume", "progress", "out")},
+    }
+    save_head(head, out, target=settings.model, extra={"training": report})
+
+    # τ of real decoding with the saved (float16) drafter on the float32 target, as users run it.
+    t0 = time.perf_counter()
+    eval_target = prep.eval_target()
+    shipped = load_head(out, torch.float32, device)
+    chosen = prep.eval_prompts(settings)
+    tau = measure_tau(
+        eval_target, lambda: ReDrafter(shipped, eval_target, settings.beam_width, beam_length), chosen,
+        settings.eval_tokens, prep.tokenizer.eos_token_ids,
+    )  # fmt: skip
+    report.update(
+        heldout_tau=round(tau, 3), tau_prompts=len(chosen), eval_s=round(time.perf_counter() - t0, 1)
+    )
+    report["total_s"] = round(time.perf_counter() - started, 1)
+    save_head(head, out, target=settings.model, extra={"training": report})
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(f"held-out top-1 accuracy per depth (teacher-forced): {' '.join(f'{a:.3f}' for a in top1)}")
+    print(
+        f"held-out τ (greedy ReDrafter decoding, {len(chosen)} prompts, {settings.eval_tokens} tokens, "
+        f"beam_width {settings.beam_width}, beam_length {beam_length}): {tau:.3f}"
+    )
+    print(
+        f"time: features {prep.features_s:.0f} s, training {train_s:.0f} s, total {report['total_s']:.0f} s"
+    )
+    print(f"drafter written to {out}")
+    return report
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    d = TrainSettings(data="", out="")
+    add_common_args(p, d)
+    p.add_argument("--num-layers", type=int, default=d.num_layers, help="residual blocks")
+    p.add_argument(
+        "--depth", type=int, default=d.depth, help="tokens predicted per position (beam_length - 1)"
+    )
+    p.add_argument(
+        "--distill", type=float, default=d.distill, help="weight in [0, 1] of the target's soft targets"
+    )
+    p.add_argument("--beam-width", type=int, default=d.beam_width, help="beams for the held-out τ")
+
+
+def main_args(args: argparse.Namespace) -> None:
+    common = common_kwargs(args)
+    if args.depth < 1 or args.beam_width < 1:
+        raise SpecDecodeError(f"--depth and --beam-width must be >= 1, got {args.depth}, {args.beam_width}")
+    if args.num_layers < 0:
+        raise SpecDecodeError(f"--num-layers must be >= 0, got {args.num_layers}")
+    if not 0.0 <= args.distill <= 1.0:
+        raise SpecDecodeError(f"--distill must be in [0, 1], got {args.distill}")
+    settings = TrainSettings(
+        **common,
+        num_layers=args.num_layers,
+        depth=args.depth,
+        distill=args.distill,
+        beam_width=args.beam_width,
+    )
+    train(settings)
