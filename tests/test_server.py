@@ -1,0 +1,426 @@
+"""The OpenAI-compatible server, driven over loopback HTTP by the real `openai` client.
+
+Two engines stand behind it. `ScriptedEngine` (no model: each request repeats its prompt's tokens,
+two a step) makes the HTTP cases exact and quick: errors, stop strings, `n`, usage, disconnects,
+an engine that fails. The real `ServingEngine` on a tiny model shows end to end that greedy
+output over HTTP, streamed or not, plain or speculative, equals `LLM.generate`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from specdecode import LLM, SpecDecodeError
+from specdecode.outputs import SpecStats
+from specdecode.serving.async_engine import AsyncEngine
+from specdecode.serving.engine import EngineStats, RequestDelta, ServeRequest
+from specdecode.serving.server import create_app
+from tests.tiny_gguf import write_tiny_gguf
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MODEL = "tiny"
+REFUSED = ord("~")  # a prompt holding this byte is refused by ScriptedEngine.add_request
+BREAKS = ord("#")  # a request whose prompt holds this byte makes ScriptedEngine.step raise
+
+
+# ---- the scripted engine -----------------------------------------------------------------------
+
+
+class ScriptedEngine:
+    """Stands in for `ServingEngine` without a model: request r emits its prompt's tokens over
+    and over, `per_step` a step, until `max_tokens`; `step_s` seconds of pretend compute a step.
+    One KV block per running request, so a leak shows in `stats.kv_blocks_used`."""
+
+    def __init__(self, per_step: int = 2, step_s: float = 0.0) -> None:
+        self.per_step, self.step_s = per_step, step_s
+        self.stats = EngineStats(kv_blocks_total=64)
+        self.running: dict[str, tuple[ServeRequest, list[int], SpecStats]] = {}
+        self.seen: list[ServeRequest] = []
+
+    def add_request(self, req: ServeRequest) -> None:
+        if REFUSED in req.prompt_ids:
+            raise SpecDecodeError("prompt: the scripted engine refuses '~'")
+        self.seen.append(req)
+        self.running[req.request_id] = (req, [], SpecStats())
+        self.stats.num_requests += 1
+        self.stats.num_prompt_tokens += len(req.prompt_ids)
+        self._gauges()
+
+    def abort(self, request_id: str) -> None:
+        if self.running.pop(request_id, None) is not None:
+            self.stats.num_aborted += 1
+        self._gauges()
+
+    def step(self) -> list[RequestDelta]:
+        time.sleep(self.step_s)
+        if any(BREAKS in req.prompt_ids for req, _, _ in self.running.values()):
+            raise RuntimeError("scripted failure")
+        deltas = []
+        for rid, (req, out, stats) in list(self.running.items()):
+            room = req.params.max_tokens - len(out)
+            new = [
+                req.prompt_ids[(len(out) + k) % len(req.prompt_ids)] for k in range(min(self.per_step, room))
+            ]
+            out += new
+            stats.record_step(1, 1, len(new) - 1, len(new))
+            done = len(out) == req.params.max_tokens
+            deltas.append(
+                RequestDelta(rid, new, done, "length" if done else None, len(req.prompt_ids), 0, stats)
+            )
+            self.stats.num_generated_tokens += len(new)
+            if done:
+                del self.running[rid]
+                self.stats.num_finished += 1
+        self._gauges()
+        return deltas
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def _gauges(self) -> None:
+        self.stats.num_running = self.stats.kv_blocks_used = len(self.running)
+
+
+def script(prompt_ids: list[int], n: int) -> list[int]:
+    """What ScriptedEngine emits for a prompt: its tokens over and over, `n` of them."""
+    return [prompt_ids[k % len(prompt_ids)] for k in range(n)]
+
+
+# ---- serving on loopback -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """Run `app` under uvicorn on a free loopback port in a background thread; yield its URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.started, "uvicorn did not start"
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def wait_for(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
+    root = tmp_path_factory.mktemp("server")
+    path = write_tiny_gguf(root / "tiny.gguf", "llama", seed=0).path
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDECODE_CACHE", str(root / "cache"))
+        yield LLM(model=str(path), device="cpu", progress=False)
+
+
+@pytest.fixture(scope="module")
+def scripted(llm: LLM) -> Iterator[tuple[str, ScriptedEngine]]:
+    engine = ScriptedEngine()
+    async_engine = AsyncEngine(engine)  # type: ignore[arg-type]
+    async_engine.start()
+    with serving(create_app(llm, async_engine, model_name=MODEL)) as url:
+        yield url, engine
+    async_engine.shutdown()
+
+
+@pytest.fixture
+def client(scripted) -> openai.OpenAI:
+    return openai.OpenAI(base_url=scripted[0] + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+# ---- the scripted engine behind HTTP -----------------------------------------------------------
+
+
+def test_completion_text_usage_and_finish(client: openai.OpenAI, llm: LLM) -> None:
+    ids = llm.tokenizer.encode("the cat", add_special_tokens=True)
+    out = client.completions.create(model=MODEL, prompt="the cat", max_tokens=7)
+    assert out.object == "text_completion" and out.model == MODEL
+    assert out.choices[0].text == llm.tokenizer.decode(script(ids, 7))
+    assert out.choices[0].finish_reason == "length"
+    usage = out.usage.model_dump()
+    assert usage["prompt_tokens"] == len(ids) and usage["completion_tokens"] == 7
+    assert usage["total_tokens"] == len(ids) + 7
+    # two tokens a step, the second counted as an accepted draft: steps 2+2+2+1
+    assert usage["num_draft_tokens"] == 4 and usage["num_accepted_tokens"] == 3
+    assert usage["mean_accepted_length"] == pytest.approx(7 / 4)
+    assert usage["cached_prompt_tokens"] == 0 and out.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_streamed_completion_equals_whole(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model=MODEL, prompt="in 12 the tea", max_tokens=9)
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="in 12 the tea",
+            max_tokens=9,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert len([c for c in chunks if c.choices]) > 2  # text arrived piece by piece
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
+
+
+def test_chat_whole_and_streamed(client: openai.OpenAI, llm: LLM) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the tea"}]
+    ids = llm.chat_prompt(messages)
+    expected = llm.tokenizer.decode(script(ids, 6))
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
+    assert out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == expected
+    assert out.usage.prompt_tokens == len(ids)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_string_cuts_text_and_aborts(scripted, client: openai.OpenAI) -> None:
+    engine = scripted[1]
+    aborted = engine.stats.num_aborted
+    out = client.completions.create(model=MODEL, prompt="tea-in", max_tokens=60, stop=["-"])
+    assert out.choices[0].text == "tea" and out.choices[0].finish_reason == "stop"
+    chunks = list(
+        client.completions.create(model=MODEL, prompt="tea-in", max_tokens=60, stop="in", stream=True)
+    )
+    assert "".join(c.choices[0].text for c in chunks) == "tea-"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    wait_for(lambda: engine.stats.num_aborted == aborted + 2 and not engine.running)
+
+
+def test_n_choices_get_distinct_derived_seeds(scripted, client: openai.OpenAI) -> None:
+    engine = scripted[1]
+    before = len(engine.seen)
+    out = client.completions.create(model=MODEL, prompt="a b", max_tokens=3, n=2, seed=7, temperature=0.5)
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    assert out.choices[0].text == out.choices[1].text  # the script ignores the seed
+    reqs = engine.seen[before:]
+    assert sorted(r.params.seed for r in reqs) == [7, 8]
+    assert all(r.params.temperature == 0.5 for r in reqs)
+    assert out.usage.prompt_tokens == reqs[0].prompt_ids.__len__()  # the prompt counts once
+    assert out.usage.completion_tokens == 6
+    # several prompts, n each: indices prompt-major
+    many = client.completions.create(model=MODEL, prompt=["ab", "cd"], max_tokens=2, n=2)
+    assert [c.text for c in sorted(many.choices, key=lambda c: c.index)] == ["ab", "ab", "cd", "cd"]
+
+
+def test_speculative_field_reaches_the_engine(scripted, client: openai.OpenAI) -> None:
+    engine = scripted[1]
+    before = len(engine.seen)
+    client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"speculative": None})
+    client.completions.create(
+        model=MODEL, prompt="x", max_tokens=1, extra_body={"speculative": {"method": "prompt_lookup"}}
+    )
+    client.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    plain, lookup, default = (r.speculative for r in engine.seen[before:])
+    assert plain is None and default is None  # this server's default is plain decoding
+    assert lookup is not None and lookup.method == "prompt_lookup"
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+BAD_COMPLETIONS = [
+    # (body or raw text, status, param)
+    ({"model": "nope", "prompt": "x"}, 404, "model"),
+    ('{"model": "tiny", "prompt": ', 400, None),
+    ({"prompt": "x"}, 400, "model"),
+    ({"model": MODEL, "prompt": 12}, 400, "prompt"),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ({"model": MODEL, "prompt": []}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [1, 9999]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "the " * 200}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 500}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "x", "top_k": -2}, 400, "top_k"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
+    ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"model": MODEL, "prompt": "x", "speculative": {"method": "magic"}}, 400, "speculative"),
+    (
+        {"model": MODEL, "prompt": "x", "speculative": {"method": "prompt_lookup", "window_size": 2}},
+        400,
+        "speculative",
+    ),
+    ({"model": MODEL, "prompt": "x", "speculative": "prompt_lookup"}, 400, "speculative"),
+    ({"model": MODEL, "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD_COMPLETIONS)
+def test_bad_completion_input(scripted, body, status: int, param: str | None) -> None:
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(
+        scripted[0] + "/v1/completions", content=content, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == status, r.text
+    err = error_of(r)
+    assert err["param"] == param, err
+    if param is not None:
+        assert param in err["message"]
+
+
+BAD_CHATS = [
+    ({"model": MODEL, "messages": []}, 400, "messages"),
+    ({"model": MODEL}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user"}], "max_tokens": -3}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "the " * 200}]}, 400, "messages"),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 999},
+        400,
+        "max_tokens",
+    ),
+    ({"model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD_CHATS)
+def test_bad_chat_input(scripted, body, status: int, param: str) -> None:
+    r = httpx.post(scripted[0] + "/v1/chat/completions", json=body)
+    assert r.status_code == status, r.text
+    assert error_of(r)["param"] == param
+
+
+def test_engine_refusal_is_a_400_and_frees_the_other_choices(scripted) -> None:
+    engine = scripted[1]
+    r = httpx.post(
+        scripted[0] + "/v1/completions", json={"model": MODEL, "prompt": ["ab", "a~"], "max_tokens": 50}
+    )
+    assert r.status_code == 400 and "refuses" in error_of(r)["message"]
+    wait_for(lambda: not engine.running)  # "ab" was accepted first, then aborted
+
+
+def test_openai_client_raises_on_bad_input(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_models_health_metrics_and_unknown_path(scripted, client: openai.OpenAI) -> None:
+    url = scripted[0]
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    before = httpx.get(url + "/metrics").text
+    client.completions.create(model=MODEL, prompt="ab", max_tokens=4)
+    after = httpx.get(url + "/metrics").text
+
+    def value(text: str, name: str) -> float:
+        line = next(x for x in text.splitlines() if x.startswith(name + " "))
+        return float(line.split()[1])
+
+    assert value(after, "specdecode_requests_total") == value(before, "specdecode_requests_total") + 1
+    assert (
+        value(after, "specdecode_generation_tokens_total")
+        == value(before, "specdecode_generation_tokens_total") + 4
+    )
+    assert "# TYPE specdecode_kv_blocks_used gauge" in after
+    assert value(after, "specdecode_kv_blocks_used") == 0
+    r = httpx.get(url + "/v1/nothing")
+    assert r.status_code == 404 and error_of(r)["type"] == "not_found_error"
+
+
+def test_api_key(llm: LLM) -> None:
+    async_engine = AsyncEngine(ScriptedEngine())  # type: ignore[arg-type]
+    async_engine.start()
+    try:
+        with serving(create_app(llm, async_engine, model_name=MODEL, api_key="sesame")) as url:
+            body = {"model": MODEL, "prompt": "ab", "max_tokens": 2}
+            for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "sesame"}):
+                r = httpx.post(url + "/v1/completions", json=body, headers=headers)
+                assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key"
+            assert httpx.get(url + "/v1/models").status_code == 401
+            assert httpx.get(url + "/health").status_code == 200  # probes need no key
+            good = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0)
+            assert good.completions.create(**body).choices[0].text == "ab"
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).completions.create(**body)
+    finally:
+        async_engine.shutdown()
+
+
+def test_failing_step_fails_its_requests_but_not_the_server(scripted, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.InternalServerError):
+        client.completions.create(model=MODEL, prompt="a#", max_tokens=4)
+    assert client.completions.create(model=MODEL, prompt="ab", max_tokens=4).choices[0].text == "abab"
+    assert httpx.get(scripted[0] + "/health").status_code == 200
+
+
+def test_burst_of_malformed_requests_among_valid_ones(scripted, llm: LLM) -> None:
+    url = scripted[0]
+    bad = [body for body, _, _ in BAD_COMPLETIONS] * 2
+    good = [(f"{chr(97 + k % 26)}{k}", 3 + k % 5) for k in range(16)]
+
+    def send_good(item: tuple[str, int]) -> str:
+        prompt, n = item
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        return c.completions.create(model=MODEL, prompt=prompt, max_tokens=n).choices[0].text
+
+    def send_bad(body) -> int:
+        content = body if isinstance(body, str) else json.dumps(body)
+        return httpx.post(url + "/v1/completions", content=content).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        bad_status = pool.map(send_bad, bad)
+        texts = pool.map(send_good, good)
+        assert all(400 <= s < 500 for s in bad_status)
+        for (prompt, n), text in zip(good, texts, strict=True):
+            assert text == llm.tokenizer.decode(
+                script(llm.tokenizer.encode(prompt, add_special_tokens=True), n)
+            )
+
+
+def test_disconnects_abort_their_requests(llm: LLM) -> None:
+    engine = ScriptedEngine(per_step=1, step_s=0.01)
+    async_engine = AsyncEngine(engine)  # type: ignore[arg-type]
+    async_engine.start()
+    try:
+        with serving(create_app(llm, async_engine, model_name=MODEL)) as url:
+            body = {"model": MODEL, "prompt": "ab", "max_tokens": 100, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")  # streaming has begun; now hang up
+            wait_for(lambda: engine.stats.num_aborted == 1)
+            with pytest.raises(httpx.ReadTimeout):  # a whole (non-streamed) answer, abandoned
+                httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=0.2)
+            wait_for(lambda: engine.stats.num_aborted == 2)
+            assert engine.stats.kv_blocks_used == 0 and not engine.running
+            assert engine.stats.num_finished == 0
+    finally:
+        async_engine.shutdown()
