@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdecode.kv_cache import KVCache
+from specdecode.kv_cache import SequenceCache
 
 
 def causal_mask(start: int, t: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -39,17 +39,17 @@ class Segment:
     `start == 0` uses the fused causal kernel and otherwise an explicit mask built once here.
     """
 
-    cache: KVCache
+    cache: SequenceCache
     start: int
     length: int
     mask: torch.Tensor | None = None
 
     @classmethod
-    def append(cls, cache: KVCache, length: int, mask: torch.Tensor | None = None) -> Segment:
+    def append(cls, cache: SequenceCache, length: int, mask: torch.Tensor | None = None) -> Segment:
         """A segment of `length` tokens after the cache's valid prefix."""
         start = cache.reserve(length)
         if mask is None and length > 1 and start > 0:
-            mask = causal_mask(start, length, cache.k.device)
+            mask = causal_mask(start, length, cache.device)
         return cls(cache, start, length, mask)
 
 

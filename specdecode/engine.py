@@ -9,14 +9,15 @@ prompt without its last token, and plain decoding is simply a step with an empty
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
-from specdecode.attention import tree_mask
+from specdecode.attention import AttentionPlan, Segment, tree_mask
 from specdecode.drafters.base import Drafter, Proposal, StepResult
 from specdecode.errors import SpecDecodeError
-from specdecode.kv_cache import KVCache
+from specdecode.kv_cache import SequenceCache
 from specdecode.models.transformer import Transformer
 from specdecode.outputs import SpecStats, Timing
 from specdecode.sampling import SamplingParams, logits_to_probs, sample
@@ -36,7 +37,9 @@ class Request:
         params: SamplingParams,
         eos_token_ids: list[int],
         drafter: Drafter | None = None,
+        new_cache: Callable[[int], SequenceCache] | None = None,
     ) -> None:
+        """`new_cache(max_len)` makes the request's KV cache; None = a static `KVCache`."""
         context = model.config.max_position_embeddings
         if not prompt_ids:
             raise SpecDecodeError("the prompt is empty")
@@ -55,7 +58,7 @@ class Request:
         # Room for every token this request may produce, plus the widest draft a step may verify.
         reserve = drafter.max_nodes + 1 if drafter is not None else 0
         self.max_len = min(len(prompt_ids) + params.max_tokens + reserve, context)
-        self.cache: KVCache = model.new_cache(self.max_len)
+        self.cache: SequenceCache = (new_cache or model.new_cache)(self.max_len)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator(device=model.device).manual_seed(params.seed)
@@ -86,6 +89,111 @@ class Request:
                 break
         return kept
 
+    def commit(self, emitted: list[int], result: StepResult | None) -> list[int]:
+        """Append a step's tokens, count it in `stats` and let the drafter observe it (unless the
+        request finished); returns the tokens kept."""
+        tokens = self.append(emitted)
+        if result is None:
+            self.stats.record_step(0, 0, 0, len(tokens))
+        else:
+            accepted = min(result.verdict.num_draft_accepted, len(tokens))
+            self.stats.record_step(result.max_depth, result.num_draft, accepted, len(tokens))
+            if self.finish_reason is None:
+                self.drafter.observe(self, result)  # type: ignore[union-attr]
+        return tokens
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One request's share of a target forward, and how to turn its output rows into tokens.
+
+    The single-request `Engine` runs one plan per forward; the serving engine concatenates the
+    plans of every running request into one forward. Either way `prepare` lays out the inputs and
+    `finish` verifies, so both share one verification path.
+
+    Input layout: the root, then the draft tree's nodes, then any side tokens. A plain step (no
+    proposal) is the root alone, which needs no mask.
+    """
+
+    proposal: Proposal | None
+    tree: DraftTree | None  # the proposal's tree on the model's device
+    ids: torch.Tensor  # (T,) long
+    depths: torch.Tensor  # (T,) long: position offsets from the request's cache length
+    among_new: torch.Tensor | None  # (T, T) bool: who sees whom among the new tokens
+
+    @classmethod
+    def prepare(cls, req: Request, proposal: Proposal | None, device: torch.device) -> StepPlan:
+        """Lay out the step's inputs; an empty proposal (or None) makes a plain step."""
+        if proposal is None or proposal.tree.num_nodes + proposal.num_side == 0:
+            zero = torch.zeros(1, dtype=torch.long, device=device)
+            return cls(None, None, torch.tensor([req.root], device=device), zero, None)
+        tree = proposal.tree.to(device)
+        n, m = tree.num_nodes, proposal.num_side
+        depths = tree.depths()  # (N+1,)
+        ids = torch.cat([torch.tensor([req.root], device=device), tree.tokens])  # (N+1,)
+        among_new = torch.zeros(n + 1 + m, n + 1 + m, dtype=torch.bool, device=device)
+        among_new[: n + 1, : n + 1] = tree.ancestor_mask()
+        if m:
+            assert proposal.side_tokens is not None and proposal.side_depths is not None
+            assert proposal.side_mask is not None
+            ids = torch.cat([ids, proposal.side_tokens.to(device)])
+            depths = torch.cat([depths, proposal.side_depths.to(device)])
+            among_new[n + 1 :] = proposal.side_mask.to(device)
+        return cls(proposal, tree, ids, depths, among_new)
+
+    @property
+    def length(self) -> int:
+        return int(self.ids.shape[0])
+
+    def segment(self, cache: SequenceCache) -> Segment:
+        """Reserve the plan's slots after the cache's valid prefix: its part of the forward."""
+        start = cache.reserve(self.length)
+        mask = None if self.among_new is None else tree_mask(start, self.among_new)
+        return Segment(cache, start, self.length, mask)
+
+    def finish(
+        self,
+        model: Transformer,
+        req: Request,
+        start: int,
+        hidden: torch.Tensor,  # (T, C) the forward's rows for this plan
+        root_best: int | None = None,
+    ) -> tuple[list[int], StepResult | None]:
+        """Verify, compact the cache to the root and the accepted path, and return the emitted
+        tokens with what the drafter should observe (None for a plain step). `root_best` is the
+        target's greedy token after the root when the caller computed it already (a batch runs
+        the LM head on every greedy root row at once)."""
+        if self.tree is None:
+            if req.params.greedy:
+                return [root_best] if root_best is not None else model.greedy_tokens(hidden), None
+            logits = model.logits(hidden[-1])  # (V,)
+            return [sample(logits_to_probs(logits, req.params), req.generator)], None
+        tree = self.tree
+        n = tree.num_nodes
+        side_logits = model.logits(hidden[n + 1 :]) if self.length > n + 1 else None  # (M, V)
+        if req.params.greedy:
+            verdict = verify_greedy_rows(model, tree, hidden[: n + 1], root_best)
+        else:
+            probs = logits_to_probs(model.logits(hidden[: n + 1]), req.params)
+            verify = req.drafter.sampling_verifier if req.drafter is not None else None
+            verdict = (verify or verify_sampling)(tree, probs, req.generator)
+        req.cache.compact(start, verdict.kept_indices)
+        max_depth = int(self.depths[: n + 1].max())
+        return verdict.tokens, StepResult(verdict, hidden, side_logits, n, max_depth)
+
+
+def verify_greedy_rows(
+    model: Transformer, tree: DraftTree, hidden: torch.Tensor, root_best: int | None = None
+) -> Verdict:
+    """`verify_greedy` from hidden rows (N+1, C), running the LM head on the root row first. On a
+    small model the head costs about a third of a forward and several rows cost much more than
+    one; when no child of the root is the target's choice (the most common outcome) that one row
+    decides."""
+    best = [root_best] if root_best is not None else model.greedy_tokens(hidden[:1])
+    if not bool((tree.tokens[tree.parents == 0] == best[0]).any()):
+        return Verdict([], best)
+    return greedy_walk(tree, best + model.greedy_tokens(hidden[1:]))
+
 
 class Engine:
     """Runs requests on one target model. `generate` yields each step's newly emitted tokens."""
@@ -111,55 +219,11 @@ class Engine:
 
         Returns the emitted tokens and, for a speculative step, what the drafter should observe."""
         proposal = req.drafter.propose(req) if req.drafter is not None else None
-        if proposal is None or proposal.tree.num_nodes + proposal.num_side == 0:
-            return self._plain_step(req), None
-        return self._speculative_step(req, proposal)
-
-    def _plain_step(self, req: Request) -> list[int]:
-        start = req.cache.length
-        ids = torch.tensor([[req.root]], device=self.model.device)  # (1, 1)
-        positions = torch.tensor([[start]], device=self.model.device)  # (1, 1)
-        hidden = self.model(ids, positions, req.cache)[0]  # (1, C)
-        if req.params.greedy:
-            return self.model.greedy_tokens(hidden)
-        logits = self.model.logits(hidden[-1])  # (V,)
-        return [sample(logits_to_probs(logits, req.params), req.generator)]
-
-    def _speculative_step(self, req: Request, proposal: Proposal) -> tuple[list[int], StepResult]:
-        device = self.model.device
-        tree = proposal.tree.to(device)
-        n, m = tree.num_nodes, proposal.num_side
-        start = req.cache.length
-        depths = tree.depths()  # (N+1,)
-        ids = torch.cat([torch.tensor([req.root], device=device), tree.tokens])  # (N+1,)
-        among_new = torch.zeros(n + 1 + m, n + 1 + m, dtype=torch.bool, device=device)
-        among_new[: n + 1, : n + 1] = tree.ancestor_mask()
-        if m:
-            assert proposal.side_tokens is not None and proposal.side_depths is not None
-            assert proposal.side_mask is not None
-            ids = torch.cat([ids, proposal.side_tokens.to(device)])
-            depths = torch.cat([depths, proposal.side_depths.to(device)])
-            among_new[n + 1 :] = proposal.side_mask.to(device)
-        hidden = self.model(ids[None], (start + depths)[None], req.cache, tree_mask(start, among_new))[0]
-        side_logits = self.model.logits(hidden[n + 1 :]) if m else None  # (M, V)
-        if req.params.greedy:
-            verdict = self._verify_greedy(tree, hidden[: n + 1])
-        else:
-            probs = logits_to_probs(self.model.logits(hidden[: n + 1]), req.params)
-            verify = req.drafter.sampling_verifier if req.drafter is not None else None
-            verdict = (verify or verify_sampling)(tree, probs, req.generator)
-        req.cache.compact(start, verdict.kept_indices)
-        max_depth = int(depths[: n + 1].max())
-        return verdict.tokens, StepResult(verdict, hidden, side_logits, n, max_depth)
-
-    def _verify_greedy(self, tree: DraftTree, hidden: torch.Tensor) -> Verdict:
-        """`verify_greedy`, running the LM head on the root row first. On a small model the head
-        costs about a third of a forward and several rows cost much more than one; when no child
-        of the root is the target's choice (the most common outcome) that one row decides."""
-        best = self.model.greedy_tokens(hidden[:1])  # hidden (N+1, C)
-        if not bool((tree.tokens[tree.parents == 0] == best[0]).any()):
-            return Verdict([], best)
-        return greedy_walk(tree, best + self.model.greedy_tokens(hidden[1:]))
+        plan = StepPlan.prepare(req, proposal, self.model.device)
+        segment = plan.segment(req.cache)
+        positions = (segment.start + plan.depths)[None]  # (1, T)
+        hidden = self.model.forward_plan(plan.ids[None], positions, AttentionPlan([segment]))[0]
+        return plan.finish(self.model, req, segment.start, hidden)
 
     def generate(self, req: Request) -> Iterator[list[int]]:
         """Run `req` until it finishes (or the caller stops iterating and sets `finish_reason`),
@@ -171,14 +235,7 @@ class Engine:
         req.timing.prefill_s = time.perf_counter() - t0
         while req.finish_reason is None:
             emitted, result = self.step(req)
-            tokens = req.append(emitted)
-            if result is None:
-                req.stats.record_step(0, 0, 0, len(tokens))
-            else:
-                accepted = min(result.verdict.num_draft_accepted, len(tokens))
-                req.stats.record_step(result.max_depth, result.num_draft, accepted, len(tokens))
-            if result is not None and req.finish_reason is None:
-                req.drafter.observe(req, result)  # type: ignore[union-attr]
+            tokens = req.commit(emitted, result)
             now = time.perf_counter() - t0
             req.timing.first_token_s = req.timing.first_token_s or now
             req.timing.total_s = now

@@ -8,10 +8,35 @@ or keeps a tree's accepted path (`compact`: the chosen slots are moved into plac
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.config import ModelConfig
+
+
+class SequenceCache(Protocol):
+    """What attention and the engine need from one sequence's cache: `KVCache` here, the serving
+    engine's `PagedCache` (blocks shared by many requests) there."""
+
+    length: int
+    max_len: int
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def reserve(self, num_new: int) -> int: ...
+
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rollback(self, n: int) -> None: ...
+
+    def truncate(self, length: int) -> None: ...
+
+    def compact(self, start: int, keep: torch.Tensor | list[int]) -> None: ...
 
 
 class KVCache:
@@ -30,6 +55,10 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.length = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
 
     def reserve(self, num_new: int) -> int:
         """Check that `num_new` more slots fit; returns the first new slot."""
