@@ -1,0 +1,208 @@
+"""The target's KV cache as fixed-size blocks shared by every request, and the per-sequence view
+the model's attention writes to and reads from.
+
+`PagedKVStorage` holds keys and values for all layers as (L, H_kv, num_blocks * block_size, D)
+tensors: slot `block * block_size + i` is token i of that block. `PagedCache` is one sequence's
+block table over it, with the same interface as the static `KVCache` (`length`, `reserve`,
+`write`, `rollback`, `truncate`, `compact`), so `AttentionPlan` and the engine's `StepPlan` use
+either unchanged.
+
+Attention reads a sequence's prefix by gathering its slots, one `index_select` per layer: simple,
+and on a CPU cheap next to the weights a forward reads (SmolLM2: 23 KB per token per layer pair,
+against 540 MB of weights).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.config import ModelConfig
+from specdecode.serving.block_pool import NO_PARENT, BlockPool
+
+
+class PagedKVStorage:
+    """Keys/values of every block for all layers, and the pool that hands the blocks out."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.pool = BlockPool(num_blocks, block_size)
+        self.block_size = block_size
+        shape = (config.num_layers, config.num_kv_heads, num_blocks * block_size, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes: keys and values of `block_size` tokens in every layer."""
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        return 2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * itemsize
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+
+class PagedCache:
+    """One sequence's KV cache as a block table over `storage`, up to `max_len` tokens.
+
+    `length` slots are valid (the tokens the model has committed). `reserve` allocates blocks for
+    new tokens; `rollback`/`truncate`/`compact` move `length` and free the blocks past it.
+    `register_full_blocks` enters the sequence's full blocks into the prefix cache.
+    """
+
+    def __init__(self, storage: PagedKVStorage, max_len: int) -> None:
+        self.storage = storage
+        self.pool = storage.pool
+        self.block_size = storage.block_size
+        self.max_len = max_len
+        self.blocks: list[int] = []
+        self.length = 0
+        self._slots = torch.zeros(0, dtype=torch.long, device=storage.device)  # (S,) slot of each token
+        self._registered = 0  # leading blocks already entered into the prefix cache
+        self._last_hash = NO_PARENT  # chained hash of those blocks
+
+    @property
+    def device(self) -> torch.device:
+        return self.storage.device
+
+    # ---- block accounting ----------------------------------------------------------------------
+
+    def blocks_needed(self, num_new: int) -> int:
+        """Fresh blocks `reserve(num_new)` would take (including a private copy of a shared block
+        that the new tokens would write into)."""
+        bs = self.block_size
+        need = max(0, -(-(self.length + num_new) // bs) - len(self.blocks))
+        first = self.length // bs
+        if num_new and first < len(self.blocks) and self.pool.is_shared(self.blocks[first]):
+            need += 1
+        return need
+
+    def adopt(self, blocks: list[int], parent_hash: int) -> None:
+        """Start an empty sequence on reused prefix blocks (already referenced via `pool.take`)."""
+        assert not self.blocks and self.length == 0
+        self.blocks = list(blocks)
+        self.length = len(blocks) * self.block_size
+        self._registered = len(blocks)
+        self._last_hash = parent_hash
+        self._refresh_slots()
+
+    def release(self) -> None:
+        """Free every block (the sequence is finished, aborted or preempted)."""
+        for block in self.blocks:
+            self.pool.free(block)
+        self.blocks = []
+        self.length = 0
+        self._registered, self._last_hash = 0, NO_PARENT
+        self._refresh_slots()
+
+    def register_full_blocks(self, token_ids: list[int]) -> None:
+        """Enter the blocks that `token_ids` (the sequence's tokens, at least `length` of them) fill
+        completely into the prefix cache."""
+        bs = self.block_size
+        while (self._registered + 1) * bs <= self.length:
+            i = self._registered
+            self._last_hash = self.pool.register(
+                self.blocks[i], self._last_hash, token_ids[i * bs : (i + 1) * bs]
+            )
+            self._registered += 1
+
+    # ---- the KVCache interface -----------------------------------------------------------------
+
+    def reserve(self, num_new: int) -> int:
+        """Make room for `num_new` slots after `length` (blocks from the pool); returns the first.
+
+        The caller (the scheduler) checks `blocks_needed` against the pool first. A shared block
+        that the new tokens would write into is replaced by a private copy first: a reused or
+        registered block is never written."""
+        if self.length + num_new > self.max_len:
+            raise SpecDecodeError(
+                f"sequence of {self.length + num_new} tokens exceeds the cache size {self.max_len}"
+            )
+        bs = self.block_size
+        first = self.length // bs
+        changed = False
+        if num_new and first < len(self.blocks) and self.pool.is_shared(self.blocks[first]):
+            self._copy_on_write(first)
+            changed = True
+        while len(self.blocks) * bs < self.length + num_new:
+            self.blocks.append(self.pool.allocate())
+            changed = True
+        if changed:
+            self._refresh_slots()
+        return self.length
+
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new keys/values (1, H_kv, T, D) at `start` and return the layer's valid prefix
+        (1, H_kv, start+T, D) for attention, gathered from the blocks."""
+        end = start + k.shape[2]
+        slots = self._slots[:end]  # (start+T,)
+        keys, values = self.storage.k[layer], self.storage.v[layer]  # (H_kv, S_all, D)
+        keys[:, slots[start:]] = k[0]
+        values[:, slots[start:]] = v[0]
+        return keys.index_select(1, slots)[None], values.index_select(1, slots)[None]
+
+    def rollback(self, n: int) -> None:
+        """Forget the newest `n` tokens and free the blocks no longer needed."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot roll back {n} of {self.length} cached tokens")
+        self.length -= n
+        self._free_tail()
+
+    def truncate(self, length: int) -> None:
+        """Keep only the first `length` tokens."""
+        self.rollback(self.length - length)
+
+    def compact(self, start: int, keep: torch.Tensor | list[int]) -> None:
+        """Keep the slots `start + keep[i]` (a tree's accepted path, in order) at `start + i` and
+        forget every slot after them, as `KVCache.compact`."""
+        keep_t = torch.as_tensor(keep, dtype=torch.long, device=self.device)  # (M,)
+        m = int(keep_t.numel())
+        if m and not torch.equal(keep_t, torch.arange(m, device=self.device)):
+            src = self._slots[start + keep_t]  # (M,)
+            dst = self._slots[start : start + m]  # (M,)
+            for store in (self.storage.k, self.storage.v):
+                store[:, :, dst] = store[:, :, src]
+        self.length = start + m
+        self._free_tail()
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _free_tail(self) -> None:
+        """Free the blocks wholly past `length` (a rollback into a registered block is refused:
+        its tokens are what the prefix cache promises)."""
+        bs = self.block_size
+        keep = -(-self.length // bs)
+        if self.length < self._registered * bs:
+            raise ValueError("cannot roll back into a block registered in the prefix cache")
+        if keep < len(self.blocks):
+            for block in self.blocks[keep:]:
+                self.pool.free(block)
+            del self.blocks[keep:]
+            self._refresh_slots()
+
+    def _copy_on_write(self, i: int) -> None:
+        """Replace block i by a private copy (same contents) before it is written."""
+        old, new = self.blocks[i], self.pool.allocate()
+        bs = self.block_size
+        src = slice(old * bs, (old + 1) * bs)
+        dst = slice(new * bs, (new + 1) * bs)
+        self.storage.k[:, :, dst] = self.storage.k[:, :, src]
+        self.storage.v[:, :, dst] = self.storage.v[:, :, src]
+        self.pool.free(old)
+        self.blocks[i] = new
+
+    def _refresh_slots(self) -> None:
+        """Recompute the slot of every token position the block table covers."""
+        bs = self.block_size
+        table = torch.tensor(self.blocks, dtype=torch.long, device=self.device)  # (nb,)
+        offsets = torch.arange(bs, device=self.device)  # (bs,)
+        self._slots = (table[:, None] * bs + offsets).reshape(-1)  # (nb*bs,)
