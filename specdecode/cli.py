@@ -1,4 +1,4 @@
-"""Command line: `specdecode generate | models list | models fetch | bench | bench-runtime | train`.
+"""Command line: `specdecode generate | serve | models list | models fetch | bench | bench-runtime | train`.
 
 Bad input is reported as one line on stderr (`specdecode: error: ...`) with exit status 2,
 never a traceback.
@@ -203,6 +203,60 @@ def cmd_bench(args: argparse.Namespace) -> None:
     main_args(args)
 
 
+def _speculative_json(text: str) -> dict[str, object] | None:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(
+            f'expected JSON such as {{"method": "prompt_lookup"}}, got {text!r}'
+        ) from None
+    if value is not None and not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object or null, got {text!r}")
+    return value
+
+
+MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+MEMORY_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def _memory_size(text: str) -> int:
+    """Bytes from `4GiB`, `512MB` or a plain number of bytes."""
+    number = text.strip().lower().rstrip("kmgib")
+    unit = text.strip().lower()[len(number) :]
+    try:
+        size = int(float(number) * MEMORY_UNITS[unit])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 4GiB, 512MB or 1000000, got {text!r}"
+        ) from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return size
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from specdecode.llm import LLM
+    from specdecode.serving.config import ServingConfig
+    from specdecode.serving.server import serve
+
+    config = ServingConfig(  # validate before the (slow) model load
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_batch_tokens=args.max_batch_tokens,
+        policy=args.policy,
+        speculative=args.speculative,
+    )
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        speculative=config.speculative,
+        num_threads=args.threads,
+    )
+    serve(llm, config, host=args.host, port=args.port, api_key=args.api_key)
+
+
 def cmd_train_medusa(args: argparse.Namespace) -> None:
     from specdecode.train.medusa import main_args
 
@@ -248,6 +302,32 @@ def build_parser() -> argparse.ArgumentParser:
     bench_rt.add_argument("--repeats", type=_positive_int, default=5)
     bench_rt.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     bench_rt.set_defaults(func=cmd_bench_runtime)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (in-flight batching, speculation)")
+    add_model_args(srv)
+    srv.add_argument(
+        "--speculative",
+        type=_speculative_json,
+        default=None,
+        metavar="JSON",
+        help='method for requests that do not choose, e.g. \'{"method": "prompt_lookup"}\' (default: plain)',
+    )
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+    srv.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
+    srv.add_argument(
+        "--kv-cache-memory",
+        type=_memory_size,
+        default=None,
+        help="KV cache budget, e.g. 2GiB (default: 1/4 of free memory)",
+    )
+    srv.add_argument("--max-num-seqs", type=_positive_int, default=64, help="requests in the running batch")
+    srv.add_argument("--max-batch-tokens", type=_positive_int, default=512, help="tokens per target forward")
+    srv.add_argument(
+        "--no-policy", dest="policy", action="store_false", help="never shorten drafts as the batch grows"
+    )
+    srv.set_defaults(func=cmd_serve)
 
     train = sub.add_parser("train", help="train drafter heads on a target model's hidden states")
     tsub = train.add_subparsers(dest="train_command", required=True)

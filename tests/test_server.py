@@ -424,3 +424,20 @@ def test_disconnects_abort_their_requests(llm: LLM) -> None:
             assert engine.stats.num_finished == 0
     finally:
         async_engine.shutdown()
+
+
+def test_serve_command_refuses_bad_settings_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
+    from specdecode.cli import main
+
+    assert main(["serve", "--model", "no-such-model", "--speculative", '{"method": "magic"}']) == 2
+    assert "magic" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--kv-cache-memory", "lots"])
+    assert "--kv-cache-memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("text", "size"), [("4GiB", 4 * 2**30), ("512MB", 512 * 10**6), ("1000", 1000)])
+def test_memory_sizes(text: str, size: int) -> None:
+    from specdecode.cli import _memory_size
+
+    assert _memory_size(text) == size

@@ -37,6 +37,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.llm import LLM, TextStream
 from specdecode.sampling import SamplingParams
 from specdecode.serving.async_engine import AsyncEngine, EngineStopped, RequestStream
+from specdecode.serving.config import ServingConfig
 from specdecode.serving.engine import RequestDelta, ServeRequest
 from specdecode.serving.metrics import render
 from specdecode.spec_config import SpecConfig, parse_speculative
@@ -598,3 +599,25 @@ def create_app(
         return PlainTextResponse(render(server.engine.stats), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def serve(
+    llm: LLM,
+    config: ServingConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    model_name: str | None = None,
+) -> None:
+    """Serve `llm` until interrupted: the engine on its thread, uvicorn on this one."""
+    import uvicorn
+
+    from specdecode.serving.engine import ServingEngine
+
+    engine = AsyncEngine(ServingEngine(llm, config))
+    engine.start()
+    try:
+        app = create_app(llm, engine, config.speculative, model_name, api_key)
+        uvicorn.run(app, host=host, port=port, log_level="info")
+    finally:
+        engine.shutdown()
