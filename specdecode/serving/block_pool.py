@@ -105,21 +105,27 @@ class BlockPool:
             self._tokens_of[block] = tuple(tokens)
         return h
 
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+    def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
         """The registered blocks holding the longest run of full blocks that starts `token_ids`
-        (not yet referenced: pass them to `take`). A hash hit is confirmed on the block's tokens,
-        so only a collision of the whole chain with the same last block could mislead it."""
+        (not yet referenced: pass them to `take`), and the chained hash of that run. A hash hit is
+        confirmed on the block's tokens, so only a collision of the whole chain with the same
+        last block could mislead it."""
         bs = self.block_size
         blocks: list[int] = []
         h = NO_PARENT
         for i in range(len(token_ids) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = block_hash(h, tokens)
-            block = self._block_of.get(h)
+            nxt = block_hash(h, tokens)
+            block = self._block_of.get(nxt)
             if block is None or self._tokens_of[block] != tokens:
                 break
             blocks.append(block)
-        return blocks
+            h = nxt
+        return blocks, h
+
+    def num_free_among(self, blocks: Sequence[int]) -> int:
+        """How many of `blocks` are on the free list (taking them uses up free blocks)."""
+        return sum(self.refcount[b] == 0 for b in blocks)
 
     def take(self, blocks: Sequence[int]) -> None:
         """Add a reference to each of `blocks` (a `match_prefix` result), counting them as reused."""

@@ -1,14 +1,52 @@
-"""The serving engine's interface (implementation in progress)."""
+"""The serving engine: many requests on one target model, one batched target forward per step.
+
+    engine = ServingEngine(llm, ServingConfig(speculative=parse_speculative({"method": "prompt_lookup"})))
+    engine.add_request(ServeRequest("a", llm.tokenizer.encode("Hello"), SamplingParams(), None))
+    while engine.has_unfinished():
+        for delta in engine.step(): ...
+
+Each `step` reads like the algorithm: schedule (who decodes, who prefills which chunk, who is
+admitted or preempted) -> propose (each decoding request's drafter, within the draft budget the
+load policy grants) -> one target forward over every request's rows (decode roots, drafts, side
+tokens and prefill chunks, as segments of one row) -> verify each request with the same
+`StepPlan.finish` the single-request engine uses -> commit (append, stats, drafter observe,
+prefix-cache registration, finished requests free their blocks).
+
+Greedy requests emit exactly the tokens they emit alone: each request's rows attend only to its
+own cache (the attention plan's segments), and greedy tokens are the model's exact argmax.
+Sampled requests draw from their own seeded generator. Draft models keep a static KV cache per
+request (not paged).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import time
 from dataclasses import dataclass, field
 
+import torch
+
+from specdecode.attention import AttentionPlan, Segment
+from specdecode.drafters.base import Proposal, StepResult
+from specdecode.engine import Request, StepPlan
+from specdecode.errors import SpecDecodeError
 from specdecode.llm import LLM
 from specdecode.outputs import SpecStats
 from specdecode.sampling import SamplingParams
 from specdecode.serving.config import ServingConfig
-from specdecode.spec_config import SpecConfig
+from specdecode.serving.paged_cache import PagedCache, PagedKVStorage
+from specdecode.serving.policy import (
+    EMA,
+    Candidate,
+    LatencyCurve,
+    SpeculationPolicy,
+    accept_rates,
+    method_rates,
+)
+from specdecode.serving.scheduler import Scheduler, Sequence
+from specdecode.spec_config import LookaheadConfig, SpecConfig
+from specdecode.tree import DraftTree
 
 __all__ = ["EngineStats", "RequestDelta", "ServeRequest", "ServingConfig", "ServingEngine"]
 
@@ -57,23 +95,321 @@ class EngineStats:
     drafts_proposed: dict[str, int] = field(default_factory=dict)
     drafts_accepted: dict[str, int] = field(default_factory=dict)
     accepted_by_position: dict[str, list[int]] = field(default_factory=dict)
-    proposed_by_position: dict[str, list[int]] = field(default_factory=dict)
+    proposed_by_position: dict[str, list[int]] = field(default_factory=dict)  # steps offering position i
+
+    def record_draft(self, method: str, result: StepResult, num_accepted: int) -> None:
+        """Count one speculative step of a request using `method`."""
+        self.drafts_proposed[method] = self.drafts_proposed.get(method, 0) + result.num_draft
+        self.drafts_accepted[method] = self.drafts_accepted.get(method, 0) + num_accepted
+        proposed = self.proposed_by_position.setdefault(method, [])
+        accepted = self.accepted_by_position.setdefault(method, [])
+        grow = result.max_depth - len(proposed)
+        if grow > 0:
+            proposed += [0] * grow
+            accepted += [0] * grow
+        for d in range(result.max_depth):
+            proposed[d] += 1
+            accepted[d] += d < num_accepted
 
 
 class ServingEngine:
+    """Serves requests on `llm`'s target model with in-flight batching, a paged KV cache with
+    prefix reuse and per-request speculation under the load policy. Not thread-safe: one thread
+    calls `add_request`, `abort` and `step` (the server's `AsyncEngine` does)."""
+
     def __init__(self, llm: LLM, config: ServingConfig) -> None:
         self.llm = llm
+        self.model = llm.model
         self.config = config
-        self.stats = EngineStats()
+        self.device = self.model.device
+        num_blocks = self._num_blocks()
+        self.storage = PagedKVStorage(
+            self.model.config, num_blocks, config.block_size, self.model.dtype, self.device
+        )
+        self.pool = self.storage.pool
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.prefix_caching)
+        self.sequences: dict[str, Sequence] = {}
+        self.policy: SpeculationPolicy | None = None
+        if config.policy:
+            curve = config.latency_curve
+            self.policy = SpeculationPolicy(
+                LatencyCurve(curve)
+                if curve is not None
+                else LatencyCurve.measure(self.model, config.max_batch_tokens)
+            )
+        self.stats = EngineStats(kv_blocks_total=num_blocks)
+
+    def _num_blocks(self) -> int:
+        """Blocks in the memory budget; by default a fraction of the memory free now, and no more
+        than `max_num_seqs` requests of the model's full context could use."""
+        cfg = self.config
+        per_block = PagedKVStorage.block_bytes(self.model.config, cfg.block_size, self.model.dtype)
+        if cfg.kv_cache_memory is not None:
+            num = cfg.kv_cache_memory // per_block
+            if num < 1:
+                raise SpecDecodeError(
+                    f"kv_cache_memory of {cfg.kv_cache_memory} bytes is less than one KV block "
+                    f"({per_block} bytes)"
+                )
+            return num
+        context_blocks = -(-self.model.config.max_position_embeddings // cfg.block_size)
+        num = int(cfg.kv_cache_fraction * _free_memory(self.device)) // per_block
+        return max(1, min(num, cfg.max_num_seqs * context_blocks))
+
+    # ---- requests ------------------------------------------------------------------------------
 
     def add_request(self, req: ServeRequest) -> None:
-        raise NotImplementedError
+        """Queue a request after checking it; bad input raises `SpecDecodeError` naming the field."""
+        if req.request_id in self.sequences:
+            raise SpecDecodeError(f"request_id {req.request_id!r} is already in use")
+        if not isinstance(req.prompt_ids, list) or not all(isinstance(t, int) for t in req.prompt_ids):
+            raise SpecDecodeError("prompt_ids must be a list of token ids")
+        spec = req.speculative
+        default = self.config.speculative
+        if isinstance(spec, LookaheadConfig) and isinstance(default, LookaheadConfig):
+            spec.check_within(default)
+        drafter = self.llm._drafter(spec)
+        request = Request(
+            self.model,
+            req.prompt_ids,
+            req.params,
+            self.llm.tokenizer.eos_token_ids,
+            drafter,
+            new_cache=lambda max_len: PagedCache(self.storage, max_len),
+        )
+        need = -(-request.max_len // self.config.block_size)
+        if need > self.pool.num_blocks:
+            raise SpecDecodeError(
+                f"prompt_ids and max_tokens need {need} KV blocks but the cache holds "
+                f"{self.pool.num_blocks}; "
+                "raise kv_cache_memory or lower max_tokens"
+            )
+        method = "none" if spec is None or drafter is None else spec.method
+        arrival = req.arrival_time if req.arrival_time is not None else time.perf_counter()
+        seq = Sequence(req.request_id, request, method, arrival)
+        self.sequences[req.request_id] = seq
+        self.scheduler.add(seq)
+        self.stats.num_requests += 1
+        self.stats.num_prompt_tokens += len(req.prompt_ids)
+        self._update_gauges()
 
     def abort(self, request_id: str) -> None:
-        raise NotImplementedError
-
-    def step(self) -> list[RequestDelta]:
-        raise NotImplementedError
+        """Drop a request and free its blocks now (no delta is emitted for it); unknown ids are ignored."""
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            return
+        self.scheduler.remove(seq)
+        self.stats.num_aborted += 1
+        self._update_gauges()
 
     def has_unfinished(self) -> bool:
-        raise NotImplementedError
+        return bool(self.sequences)
+
+    def clear_prefix_cache(self) -> None:
+        """Forget the cached prefixes of free blocks (blocks in use keep theirs)."""
+        self.pool.clear_prefix_cache()
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestDelta]:
+        """One iteration: schedule -> propose -> one batched target forward -> verify -> commit."""
+        t0 = time.perf_counter()
+        budget = self.config.max_batch_tokens
+        running = self.scheduler.running
+
+        # Decoding requests: propose within their draft budgets, reserve their rows.
+        decoding = [s for s in running if not s.prefilling]
+        pending = sum(s.target_len - s.cache.length for s in running if s.prefilling)
+        draft_budgets = self._draft_budgets(decoding, min(budget, len(decoding) + pending))
+        plans: list[tuple[Sequence, StepPlan, Segment]] = []
+        draft_seconds = 0.0
+        for seq, k in zip(decoding, draft_budgets, strict=True):
+            if seq not in running or budget <= 0:  # preempted for an older request / batch full
+                continue
+            k = min(k, budget - 1)
+            req = seq.req
+            if not seq.started:  # its whole prompt came from the prefix cache
+                self._begin(seq, None)
+            proposal = None
+            if k > 0 and req.drafter is not None:
+                tp = time.perf_counter()
+                proposal = trim(req.drafter.propose(req), k)
+                spent = time.perf_counter() - tp
+                draft_seconds += spent
+                seq.draft_cost += EMA * (spent / k - seq.draft_cost)
+            plan = StepPlan.prepare(req, proposal, self.device)
+            if not self.scheduler.make_room(seq, plan.length):
+                continue
+            plans.append((seq, plan, plan.segment(seq.cache)))
+            budget -= plan.length
+
+        # Prefill chunks in the rows left, for running requests first, then newly admitted ones.
+        if budget > 0:
+            self.scheduler.admit()
+        chunks: list[tuple[Sequence, Segment]] = []
+        for seq in list(running):
+            if budget <= 0 or not seq.prefilling or any(seq is p[0] for p in plans):
+                continue
+            n = min(budget, seq.target_len - seq.cache.length)
+            # Out of blocks: wait, or, when no decoding step holds rows, preempt to make progress.
+            short = not self.pool.can_allocate(seq.cache.blocks_needed(n))
+            if short and (plans or not self.scheduler.make_room(seq, n)):
+                continue
+            chunks.append((seq, Segment.append(seq.cache, n)))
+            budget -= n
+
+        deltas: list[RequestDelta] = []
+        if plans or chunks:
+            hidden = self._forward(plans, chunks)
+            deltas = self._commit(plans, chunks, hidden)
+        if self.policy is not None and plans:
+            rows = sum(p[1].length for p in plans) + sum(c[1].length for c in chunks)
+            self.policy.observe_step(time.perf_counter() - t0, rows, draft_seconds)
+        self._update_gauges()
+        return deltas
+
+    def _draft_budgets(self, decoding: list[Sequence], base_tokens: int) -> list[int]:
+        """Draft tokens each decoding request may verify: the policy's choice, or without the
+        policy its drafter's maximum, within the step's rows."""
+        rows = self.config.max_batch_tokens
+        if self.policy is None:
+            out, left = [], rows - len(decoding)
+            for seq in decoding:
+                k = min(seq.max_step - 1, max(left, 0))
+                out.append(k)
+                left -= k
+            return out
+        candidates = []
+        for seq in decoding:
+            depth = seq.max_step - 1
+            stats = seq.req.stats
+            prior = method_rates(
+                self.stats.proposed_by_position.get(seq.method, []),
+                self.stats.accepted_by_position.get(seq.method, []),
+            )
+            rates = accept_rates(stats.proposed_by_position, stats.accepted_by_position, prior, depth)
+            candidates.append(Candidate(depth, rates, seq.draft_cost))
+        return self.policy.budgets(candidates, base_tokens, rows)
+
+    def _forward(
+        self, plans: list[tuple[Sequence, StepPlan, Segment]], chunks: list[tuple[Sequence, Segment]]
+    ) -> torch.Tensor:
+        """One target forward over every plan's rows then every prefill chunk; hidden (T, C)."""
+        ids: list[torch.Tensor] = []
+        positions: list[torch.Tensor] = []
+        for _, plan, seg in plans:
+            ids.append(plan.ids)
+            positions.append(seg.start + plan.depths)
+        for seq, seg in chunks:
+            ids.append(torch.tensor(seq.req.all_ids[seg.start : seg.start + seg.length], device=self.device))
+            positions.append(torch.arange(seg.start, seg.start + seg.length, device=self.device))
+        segments = [p[2] for p in plans] + [c[1] for c in chunks]
+        plan = AttentionPlan(segments)
+        return self.model.forward_plan(torch.cat(ids)[None], torch.cat(positions)[None], plan)[0]
+
+    def _commit(
+        self,
+        plans: list[tuple[Sequence, StepPlan, Segment]],
+        chunks: list[tuple[Sequence, Segment]],
+        hidden: torch.Tensor,  # (T, C)
+    ) -> list[RequestDelta]:
+        """Verify each plan, emit its tokens, finish requests, register full blocks."""
+        offsets, at = [], 0
+        for _, plan, _ in plans:
+            offsets.append(at)
+            at += plan.length
+        # The LM head over every greedy request's root row at once: one matmul, not one each.
+        greedy = [i for i, (seq, _, _) in enumerate(plans) if seq.req.params.greedy]
+        root_best: dict[int, int] = {}
+        if greedy:
+            best = self.model.greedy_tokens(hidden[[offsets[i] for i in greedy]])
+            root_best = dict(zip(greedy, best, strict=True))
+        deltas = []
+        for i, (seq, plan, seg) in enumerate(plans):
+            req = seq.req
+            rows = hidden[offsets[i] : offsets[i] + plan.length]  # (T_i, C)
+            emitted, result = plan.finish(self.model, req, seg.start, rows, root_best.get(i))
+            tokens = req.commit(emitted, result)
+            if result is not None:
+                accepted = min(result.verdict.num_draft_accepted, len(tokens))
+                self.stats.record_draft(seq.method, result, accepted)
+            self.stats.num_generated_tokens += len(tokens)
+            finished = req.finish_reason is not None
+            if finished:
+                self._finish(seq)
+            elif self.config.prefix_caching:
+                seq.cache.register_full_blocks(req.all_ids)
+            deltas.append(
+                RequestDelta(
+                    seq.request_id,
+                    tokens,
+                    finished,
+                    req.finish_reason,
+                    len(req.prompt_ids),
+                    seq.num_cached_prompt_tokens,
+                    _snapshot(req.stats),
+                )
+            )
+        for seq, seg in chunks:
+            if self.config.prefix_caching:
+                seq.cache.register_full_blocks(seq.req.all_ids)
+            if not seq.prefilling and not seq.started:
+                self._begin(seq, hidden[at : at + seg.length])
+            at += seg.length
+        return deltas
+
+    def _begin(self, seq: Sequence, prompt_hidden: torch.Tensor | None) -> None:
+        """Tell the drafter the prompt is cached; `prompt_hidden` (P', C) ends with the last
+        prompt row before the root (None when the prompt came whole from the prefix cache)."""
+        if seq.req.drafter is not None:
+            seq.req.drafter.begin(seq.req, prompt_hidden)
+        seq.started = True
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        del self.sequences[seq.request_id]
+        self.stats.num_finished += 1
+
+    def _update_gauges(self) -> None:
+        s = self.stats
+        s.num_waiting = len(self.scheduler.waiting)
+        s.num_running = len(self.scheduler.running)
+        s.kv_blocks_used = self.pool.num_used
+        s.kv_blocks_reused = self.pool.num_reused
+        s.num_preemptions = self.scheduler.num_preemptions
+
+
+def trim(proposal: Proposal, k: int) -> Proposal:
+    """At most `k` draft tokens of `proposal`: side tokens go first (they only pay as a whole
+    window), then the tree keeps its first k nodes (a topological prefix is still a tree)."""
+    tree = proposal.tree
+    if tree.num_nodes + proposal.num_side <= k:
+        return proposal
+    if tree.num_nodes <= k:
+        return Proposal(tree)
+    probs = None if tree.draft_probs is None else tree.draft_probs[:k]
+    return Proposal(DraftTree(tree.tokens[:k], tree.parents[:k], probs))
+
+
+def _snapshot(stats: SpecStats) -> SpecStats:
+    """A copy the caller may keep while the request's own figures move on."""
+    return dataclasses.replace(
+        stats,
+        proposed_by_position=list(stats.proposed_by_position),
+        accepted_by_position=list(stats.accepted_by_position),
+    )
+
+
+def _free_memory(device: torch.device) -> int:
+    """Bytes free now: on the GPU for CUDA, else the RAM the kernel reports as available."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -1,0 +1,154 @@
+"""The speculation load policy: how many draft tokens each running request may verify this step.
+
+Verifying a draft token is never free: it widens the one target forward every request shares.
+Alone on a CPU, 1 token costs about as much as 4 (the weights are read once either way), so a
+draft that is accepted half the time pays; with 64 requests in the batch the forward is already
+wide and every extra row costs nearly its full share, so the same draft loses throughput.
+
+The policy maximises the batch's expected tokens per second under two measured models:
+
+- cost: `step_seconds(T) = latency(T) + overhead + sum of drafting costs`, with `latency` the
+  target's forward-latency curve over T tokens (measured on this model and machine when the
+  engine starts), `overhead` a running average of what a step costs beyond it (scheduling,
+  per-request Python, cache gathers), and each request's drafting cost per draft token (a running
+  average of its drafter's `propose` time: nearly zero for prompt lookup, a draft model's
+  forwards for draft_model).
+- gain: a request's d-th draft token adds `p_d` expected tokens, where `p_d` is the rate at which
+  its position d was accepted so far (the request's own counts, shrunk towards its method's
+  engine-wide rates, which start from a prior of 0.5^d). p_d never increases with d: depth d+1
+  can only be accepted after depth d.
+
+Every request emits one token per step whatever its draft, so with draft budgets k_i the
+expected tokens are `n + sum_i sum_{d<k_i} p_{i,d}`. Gains fall with depth, so the best
+allocation of X extra rows takes the X largest gains over all requests; the policy scores every
+X from 0 up and keeps the best. One request alone gets the draft the curve pays for, a wide batch
+gets drafts only for its requests whose drafts are nearly always accepted, and when nothing pays
+every request takes a plain step (its drafter is not even asked).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.attention import AttentionPlan, Segment
+from specdecode.models.transformer import Transformer
+
+PRIOR_STRENGTH = 4.0  # pseudo-steps a request's own acceptance counts are shrunk with
+EMA = 0.1  # weight of the newest sample in the running averages
+
+
+class LatencyCurve:
+    """Seconds of one target forward over T new tokens, interpolated between measured points
+    (and extended linearly past the last one)."""
+
+    def __init__(self, points: tuple[tuple[int, float], ...]) -> None:
+        self.tokens = [t for t, _ in points]
+        self.seconds = [s for _, s in points]
+
+    def __call__(self, tokens: int) -> float:
+        ts, ss = self.tokens, self.seconds
+        if len(ts) == 1 or tokens <= ts[0]:
+            return ss[0] * max(tokens, 1) / ts[0] if tokens > ts[0] else ss[0]
+        i = min(bisect.bisect_left(ts, tokens), len(ts) - 1)
+        t0, t1, s0, s1 = ts[i - 1], ts[i], ss[i - 1], ss[i]
+        return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0)
+
+    @classmethod
+    @torch.inference_mode()
+    def measure(cls, model: Transformer, max_tokens: int, context: int = 64) -> LatencyCurve:
+        """Time forwards of 1, 2, 4, ... `max_tokens` new tokens after a `context`-token prefix
+        (best of two after a warm-up each): a few seconds on a CPU for a small model."""
+        sizes = sorted({min(2**i, max_tokens) for i in range(max_tokens.bit_length() + 1)})
+        context = min(context, model.config.max_position_embeddings - max_tokens)
+        cache = model.new_cache(context + max_tokens)
+        ids = torch.zeros(1, context + max_tokens, dtype=torch.long, device=model.device)
+        model(ids[:, :context], torch.arange(context, device=model.device)[None], cache)
+        points = []
+        for t in sizes:
+            best = float("inf")
+            for _ in range(3):
+                positions = torch.arange(context, context + t, device=model.device)[None]  # (1, T)
+                t0 = time.perf_counter()
+                model.forward_plan(ids[:, :t], positions, AttentionPlan([Segment.append(cache, t)]))
+                if model.device.type == "cuda":
+                    torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t0)
+                cache.truncate(context)
+            points.append((t, best))
+        return cls(tuple(points))
+
+
+@dataclass
+class Candidate:
+    """One decoding request as the policy sees it."""
+
+    max_draft: int  # the most draft tokens its drafter may propose (tree nodes + side tokens)
+    accept_rates: list[float]  # estimated p_d for d = 0 .. max_draft-1 (non-increasing)
+    draft_cost: float  # seconds of drafting per draft token
+
+
+class SpeculationPolicy:
+    """Chooses per-request draft budgets from the latency curve and acceptance estimates."""
+
+    def __init__(self, curve: LatencyCurve) -> None:
+        self.curve = curve
+        self.overhead = 0.0  # seconds per step beyond the forward (running average)
+
+    def budgets(self, candidates: list[Candidate], base_tokens: int, max_tokens: int) -> list[int]:
+        """Draft tokens for each candidate, given `base_tokens` rows the forward carries anyway
+        (every candidate's root and any prefill chunk) and at most `max_tokens` rows in all."""
+        gains = sorted(
+            (
+                (p, d, i)
+                for i, c in enumerate(candidates)
+                for d, p in enumerate(c.accept_rates[: c.max_draft])
+            ),
+            key=lambda x: (-x[0], x[1]),
+        )
+        gains = gains[: max(0, max_tokens - base_tokens)]
+        fixed = self.overhead
+        tokens = float(len(candidates))
+        best_x, best_rate = 0, tokens / (self.curve(base_tokens) + fixed)
+        draft_seconds = 0.0
+        for x, (p, _, i) in enumerate(gains, start=1):
+            tokens += p
+            draft_seconds += candidates[i].draft_cost
+            rate = tokens / (self.curve(base_tokens + x) + fixed + draft_seconds)
+            if rate > best_rate:
+                best_x, best_rate = x, rate
+        out = [0] * len(candidates)
+        for _, _, i in gains[:best_x]:
+            out[i] += 1
+        return out
+
+    def observe_step(self, seconds: float, tokens: int, draft_seconds: float) -> None:
+        """Update the overhead estimate from a step that took `seconds` over `tokens` rows."""
+        extra = max(0.0, seconds - self.curve(tokens) - draft_seconds)
+        self.overhead += EMA * (extra - self.overhead)
+
+
+def accept_rates(
+    own_proposed: list[int], own_accepted: list[int], method_rates: list[float], depth: int
+) -> list[float]:
+    """Estimated acceptance rate of draft positions 0..depth-1 for one request: its own counts
+    shrunk towards its method's rates, made non-increasing."""
+    out: list[float] = []
+    last = 1.0
+    for d in range(depth):
+        prior = method_rates[d] if d < len(method_rates) else 0.5 ** (d + 1)
+        n = own_proposed[d] if d < len(own_proposed) else 0
+        a = own_accepted[d] if d < len(own_accepted) else 0
+        last = min(last, (a + PRIOR_STRENGTH * prior) / (n + PRIOR_STRENGTH))
+        out.append(last)
+    return out
+
+
+def method_rates(proposed: list[int], accepted: list[int]) -> list[float]:
+    """A method's engine-wide acceptance rate per position, from a 0.5^d prior worth 2 steps."""
+    return [
+        (a + 2 * 0.5 ** (d + 1)) / (n + 2) for d, (n, a) in enumerate(zip(proposed, accepted, strict=True))
+    ]
