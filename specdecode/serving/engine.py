@@ -249,7 +249,7 @@ class ServingEngine:
             self.scheduler.admit()
         chunks: list[tuple[Sequence, Segment]] = []
         for seq in list(running):
-            if budget <= 0 or not seq.prefilling or any(seq is p[0] for p in plans):
+            if budget <= 0 or seq not in running or not seq.prefilling or any(seq is p[0] for p in plans):
                 continue
             n = min(budget, seq.target_len - seq.cache.length)
             # Out of blocks: wait, or, when no decoding step holds rows, preempt to make progress.

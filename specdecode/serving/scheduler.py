@@ -101,14 +101,16 @@ class Scheduler:
         required on top of its prompt's."""
         admitted = []
         bs = self.pool.block_size
+        free = self.pool.num_free  # less what the sequences admitted here will take
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             ids = seq.req.all_ids[: seq.target_len]
             blocks, last_hash = self.pool.match_prefix(ids) if self.prefix_caching else ([], 0)
             total = -(-(seq.target_len + seq.max_step) // bs)
             need = total - len(blocks) + self.pool.num_free_among(blocks)
-            if need > self.pool.num_free:
+            if need > free:
                 break
+            free -= need
             self.waiting.popleft()
             self.pool.take(blocks)
             seq.cache.adopt(blocks, last_hash)

@@ -1,0 +1,394 @@
+"""Serving engine core: the block pool and paged cache against the static cache, batch invariance
+of 32 concurrent greedy requests with mixed methods, no leaked blocks, admission under a tiny
+budget, preemption, prefix reuse, and the load policy's choices."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specdecode import LLM, SamplingParams, SpecDecodeError
+from specdecode.attention import AttentionPlan, Segment, causal_mask, tree_mask
+from specdecode.drafters.medusa import save_heads
+from specdecode.serving.block_pool import BlockPool
+from specdecode.serving.config import ServingConfig
+from specdecode.serving.engine import RequestDelta, ServeRequest, ServingEngine
+from specdecode.serving.paged_cache import PagedCache, PagedKVStorage
+from specdecode.serving.policy import Candidate, LatencyCurve, SpeculationPolicy, accept_rates
+from specdecode.spec_config import parse_speculative
+from specdecode.tree import DraftTree
+from tests.test_draft_model import tiny_transformer
+from tests.test_medusa import random_heads
+from tests.tiny_gguf import write_tiny_gguf
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FLAT_CURVE = ((1, 0.03), (512, 0.03))  # forward cost independent of width: drafting always pays
+
+
+# ------------------------------------------------------------------------------------------------
+# Block pool
+
+
+def test_pool_refcounts_and_free_order() -> None:
+    pool = BlockPool(4, block_size=2)
+    a, b = pool.allocate(), pool.allocate()
+    assert (pool.num_used, pool.num_free) == (2, 2)
+    pool.register(a, 0, [5, 6])
+    pool.free(a)
+    pool.free(b)
+    # b holds nothing reusable, so it is handed out before the cached a (and before the never-used).
+    assert pool.allocate() == b
+    assert pool.num_cached == 1
+    with pytest.raises(AssertionError):
+        pool.free(a)
+
+
+def test_prefix_match_needs_the_whole_prefix() -> None:
+    pool = BlockPool(8, block_size=2)
+    blocks = [pool.allocate() for _ in range(3)]
+    h = 0
+    for block, tokens in zip(blocks, ([1, 2], [3, 4], [5, 6]), strict=True):
+        h = pool.register(block, h, tokens)
+    assert pool.match_prefix([1, 2, 3, 4, 5, 6, 7])[0] == blocks
+    assert pool.match_prefix([1, 2, 3, 4, 5])[0] == blocks[:2]  # a partial block never matches
+    assert pool.match_prefix([9, 2, 3, 4, 5, 6])[0] == []  # same later blocks, other prefix
+    assert pool.match_prefix([1, 2, 3, 9, 5, 6])[0] == blocks[:1]
+    matched, _ = pool.match_prefix([1, 2, 3, 4])
+    pool.take(matched)
+    assert [pool.refcount[b] for b in blocks] == [2, 2, 1]
+    assert pool.num_reused == 2
+
+
+def test_lru_eviction_of_cached_blocks() -> None:
+    pool = BlockPool(3, block_size=1)
+    blocks = [pool.allocate() for _ in range(3)]
+    for i, block in enumerate(blocks):
+        pool.register(block, 0, [10 + i])
+    for block in (blocks[1], blocks[0], blocks[2]):  # freed in this order
+        pool.free(block)
+    assert pool.num_free == 3 and pool.num_cached == 3
+    # A cached free block can still be taken back ...
+    matched, _ = pool.match_prefix([12])
+    assert matched == [blocks[2]]
+    pool.take(matched)
+    # ... and fresh allocations evict the least recently freed first.
+    assert pool.allocate() == blocks[1]
+    assert pool.match_prefix([11])[0] == []
+    assert pool.match_prefix([10])[0] == [blocks[0]]
+    pool.clear_prefix_cache()
+    assert pool.match_prefix([10])[0] == [] and pool.match_prefix([12])[0] == [blocks[2]]
+
+
+# ------------------------------------------------------------------------------------------------
+# Paged cache against the static cache
+
+
+def run_both(model, caches, ids: list[int], mask_among: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The same forward on every cache; returns each one's hidden states (T, C)."""
+    out = []
+    for cache in caches:
+        start = cache.length
+        t = len(ids)
+        mask = None if mask_among is None else tree_mask(start, mask_among)
+        if mask is None and t > 1 and start > 0:
+            mask = causal_mask(start, t)
+        depths = torch.arange(t) if mask_among is None else mask_among.sum(1) - 1
+        plan = AttentionPlan([Segment(cache, cache.reserve(t), t, mask)])
+        out.append(model.forward_plan(torch.tensor([ids]), (start + depths)[None], plan)[0])
+    return out
+
+
+@torch.inference_mode()
+def test_paged_cache_equals_static_cache() -> None:
+    model = tiny_transformer(50, seed=0, layers=2)
+    storage = PagedKVStorage(model.config, num_blocks=32, block_size=4)
+    static, paged = model.new_cache(128), PagedCache(storage, 128)
+    caches = [static, paged]
+    a, b = run_both(model, caches, list(range(3, 14)))  # prefill across block boundaries
+    torch.testing.assert_close(a, b)
+    tree = DraftTree(torch.tensor([7, 8, 9, 10, 11]), torch.tensor([0, 1, 0, 3, 4]))
+    start = static.length
+    a, b = run_both(model, caches, [20, *tree.tokens.tolist()], tree.ancestor_mask())
+    torch.testing.assert_close(a, b)
+    for cache in caches:
+        cache.compact(start, [0, 3, 4, 5])  # root + the path 3 -> 4 -> 5
+    assert paged.length == static.length == start + 4
+    assert len(paged.blocks) == -(-paged.length // 4)  # the tree's extra blocks were freed
+    a, b = run_both(model, caches, [30, 31])
+    torch.testing.assert_close(a, b)
+    for cache in caches:
+        cache.rollback(5)
+    a, b = run_both(model, caches, [40, 41, 42])
+    torch.testing.assert_close(a, b)
+    paged.release()
+    assert storage.pool.num_used == 0
+
+
+@torch.inference_mode()
+def test_shared_block_is_copied_before_a_write() -> None:
+    model = tiny_transformer(50, seed=0)
+    storage = PagedKVStorage(model.config, num_blocks=8, block_size=4)
+    first = PagedCache(storage, 64)
+    run_both(model, [first], list(range(3, 9)))  # 6 tokens: one full block + 2
+    first.register_full_blocks(list(range(3, 9)))
+    before = storage.k.clone()
+    second = PagedCache(storage, 64)
+    blocks, h = storage.pool.match_prefix(list(range(3, 9)))
+    storage.pool.take(blocks)
+    second.adopt(blocks, h)
+    assert second.blocks == first.blocks[:1] and second.length == 4
+    second.truncate(4)
+    # Rolling back into a registered block is refused; writing after it takes a fresh block.
+    with pytest.raises(ValueError, match="registered"):
+        second.truncate(2)
+    run_both(model, [second], [40, 41])
+    shared = first.blocks[0] * 4
+    torch.testing.assert_close(storage.k[:, :, shared : shared + 4], before[:, :, shared : shared + 4])
+
+
+# ------------------------------------------------------------------------------------------------
+# The engine on a tiny model, through the LLM API
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[LLM, list[dict | None]]:
+    import os
+
+    root = tmp_path_factory.mktemp("serving")
+    os.environ["SPECDECODE_CACHE"] = str(root / "cache")
+    target = write_tiny_gguf(root / "target.gguf", "llama", seed=0).path
+    draft = write_tiny_gguf(root / "draft.gguf", "llama", seed=1).path
+    llm = LLM(model=str(target), device="cpu", progress=False)
+    heads = save_heads(random_heads(llm.model), root / "heads", target="tiny")
+    methods = [
+        None,
+        {"method": "prompt_lookup"},
+        {"method": "prompt_lookup", "num_candidates": 3, "max_matching_ngram_size": 3},
+        {"method": "lookahead", "window_size": 3, "ngram_size": 3, "verification_set_size": 3},
+        {"method": "draft_model", "draft_model": str(draft), "num_draft_tokens": 3},
+        {"method": "medusa", "heads": str(heads)},
+    ]
+    return llm, methods
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        base = [rng.randrange(3, 90) for _ in range(rng.randrange(2, 12))]
+        out.append((base * 4)[: rng.randrange(2, 45)])  # repetitive: prompt lookup finds matches
+    return out
+
+
+def serve(
+    engine: ServingEngine,
+    requests: list[ServeRequest],
+    per_step: int = 3,
+    abort_after: dict[str, int] | None = None,
+) -> dict[str, list[int]]:
+    """Add `per_step` requests before each step (staggered arrivals) until all finish; abort the
+    ids in `abort_after` once they have that many tokens."""
+    out: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    queue = list(requests)
+    abort_after = dict(abort_after or {})
+    while queue or engine.has_unfinished():
+        for _ in range(per_step):
+            if queue:
+                engine.add_request(queue.pop(0))
+        deltas: list[RequestDelta] = engine.step()
+        for d in deltas:
+            out[d.request_id] += d.new_token_ids
+            assert d.finished == (d.finish_reason is not None)
+        for rid, n in list(abort_after.items()):
+            if len(out[rid]) >= n:
+                engine.abort(rid)
+                del abort_after[rid]
+    return out
+
+
+def alone(llm: LLM, prompt: list[int], params: SamplingParams, spec: dict | None) -> list[int]:
+    return llm.generate([prompt], params, speculative=spec)[0].token_ids
+
+
+@pytest.mark.parametrize("policy", [False, True])
+def test_batch_invariance_and_no_leak(setup, policy: bool) -> None:
+    llm, methods = setup
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    ps = prompts(32)
+    specs = [methods[i % len(methods)] for i in range(32)]
+    expected = {str(i): alone(llm, p, params, s) for i, (p, s) in enumerate(zip(ps, specs, strict=True))}
+    config = ServingConfig(
+        block_size=4, max_num_seqs=16, max_batch_tokens=64, policy=policy, latency_curve=FLAT_CURVE
+    )
+    engine = ServingEngine(llm, config)
+    requests = [
+        ServeRequest(str(i), p, params, parse_speculative(s))
+        for i, (p, s) in enumerate(zip(ps, specs, strict=True))
+    ]
+    aborted = {"3": 4, "10": 1, "17": 9}
+    out = serve(engine, requests, abort_after=aborted)
+    for rid, tokens in out.items():
+        if rid in aborted:
+            assert tokens == expected[rid][: len(tokens)]
+        else:
+            assert tokens == expected[rid], rid
+    stats = engine.stats
+    assert stats.num_finished == 32 - 3 and stats.num_aborted == 3
+    assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
+    engine.clear_prefix_cache()
+    assert engine.pool.num_cached == 0 and engine.pool.num_free == engine.pool.num_blocks
+    assert set(stats.drafts_proposed) == {"prompt_lookup", "lookahead", "draft_model", "medusa"}
+    for method, accepted in stats.accepted_by_position.items():
+        assert all(a <= p for a, p in zip(accepted, stats.proposed_by_position[method], strict=True))
+
+
+def test_tiny_budget_waits_and_preempts(setup) -> None:
+    llm, methods = setup
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    ps = prompts(8, seed=1)
+    specs = [methods[i % 2] for i in range(8)]
+    expected = {str(i): alone(llm, p, params, s) for i, (p, s) in enumerate(zip(ps, specs, strict=True))}
+    per_block = PagedKVStorage.block_bytes(llm.model.config, 4, llm.model.dtype)
+    # 24 blocks of 4 tokens: one request needs up to 19; two cannot both grow to their end.
+    config = ServingConfig(block_size=4, kv_cache_memory=24 * per_block, policy=False, prefix_caching=False)
+    engine = ServingEngine(llm, config)
+    requests = [
+        ServeRequest(str(i), p, params, parse_speculative(s))
+        for i, (p, s) in enumerate(zip(ps, specs, strict=True))
+    ]
+    waited = False
+    out: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        for d in engine.step():
+            out[d.request_id] += d.new_token_ids
+        waited |= engine.stats.num_waiting > 0 and engine.stats.num_running > 0
+    assert out == expected
+    assert waited and engine.stats.num_preemptions > 0
+    assert engine.stats.kv_blocks_used == 0
+
+
+def test_prefix_reuse_skips_compute(setup) -> None:
+    llm, _ = setup
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    shared = list(range(3, 53))  # 50 tokens: 6 full blocks of 8
+    first, second = [*shared, 5, 6, 7], [*shared, 8, 9]
+    engine = ServingEngine(llm, ServingConfig(block_size=8, policy=False))
+    rows: list[int] = []
+    forward = engine.model.forward_plan
+
+    def counting(ids, positions, plan):
+        rows.append(ids.shape[1])
+        return forward(ids, positions, plan)
+
+    engine.model.forward_plan = counting  # type: ignore[method-assign]
+    try:
+        out = serve(engine, [ServeRequest("a", first, params, None)])
+        assert sum(rows) == len(first) - 1 + 6  # its prompt but the root, then 6 one-row steps
+        rows.clear()
+        deltas: list[RequestDelta] = []
+        engine.add_request(ServeRequest("b", second, params, None))
+        while engine.has_unfinished():
+            deltas += engine.step()
+    finally:
+        del engine.model.forward_plan
+    assert out["a"] == alone(llm, first, params, None)
+    assert [t for d in deltas for t in d.new_token_ids] == alone(llm, second, params, None)
+    assert deltas[-1].num_cached_prompt_tokens == 48  # 6 full blocks of the 50 shared tokens
+    assert engine.stats.kv_blocks_reused == 6
+    assert sum(rows) == len(second) - 1 - 48 + 6  # the reused blocks were not recomputed
+
+
+def test_sampled_requests_keep_their_own_stream(setup) -> None:
+    llm, methods = setup
+    ps = prompts(6, seed=3)
+    params = [SamplingParams(max_tokens=12, temperature=0.8, seed=i) for i in range(6)]
+    expected = {str(i): alone(llm, p, params[i], methods[i % 2]) for i, p in enumerate(ps)}
+    engine = ServingEngine(llm, ServingConfig(block_size=4, policy=False))
+    requests = [
+        ServeRequest(str(i), p, params[i], parse_speculative(methods[i % 2])) for i, p in enumerate(ps)
+    ]
+    assert serve(engine, requests) == expected
+
+
+def test_bad_requests_and_settings(setup) -> None:
+    llm, _ = setup
+    per_block = PagedKVStorage.block_bytes(llm.model.config, 4, llm.model.dtype)
+    engine = ServingEngine(llm, ServingConfig(block_size=4, kv_cache_memory=8 * per_block, policy=False))
+    params = SamplingParams(max_tokens=4)
+    with pytest.raises(SpecDecodeError, match="empty"):
+        engine.add_request(ServeRequest("x", [], params, None))
+    context = llm.model.config.max_position_embeddings
+    with pytest.raises(SpecDecodeError, match="context"):
+        engine.add_request(ServeRequest("x", [5] * context, params, None))
+    with pytest.raises(SpecDecodeError, match="KV blocks"):
+        engine.add_request(ServeRequest("x", [5] * 30, SamplingParams(max_tokens=4), None))  # 9 blocks
+    engine.add_request(ServeRequest("x", [5, 6], params, None))
+    with pytest.raises(SpecDecodeError, match="already in use"):
+        engine.add_request(ServeRequest("x", [5, 6], params, None))
+    engine.abort("x")
+    engine.abort("unknown")
+    assert not engine.has_unfinished() and engine.stats.kv_blocks_used == 0
+    for kwargs, words in [
+        ({"block_size": 0}, "block_size"),
+        ({"max_num_seqs": -1}, "max_num_seqs"),
+        ({"kv_cache_fraction": 1.5}, "kv_cache_fraction"),
+        ({"policy": "yes"}, "policy"),
+        ({"speculative": {"method": "nope"}}, "unknown speculative method"),
+        ({"latency_curve": ((0, 1.0),)}, "latency_curve"),
+    ]:
+        with pytest.raises(SpecDecodeError, match=words):
+            ServingConfig(**kwargs)
+    with pytest.raises(SpecDecodeError, match="kv_cache_memory"):
+        ServingEngine(llm, ServingConfig(kv_cache_memory=10, policy=False))
+
+
+# ------------------------------------------------------------------------------------------------
+# Policy
+
+
+def test_latency_curve_interpolates() -> None:
+    curve = LatencyCurve(((1, 0.03), (4, 0.05), (16, 0.07)))
+    assert curve(1) == 0.03 and curve(4) == 0.05
+    assert curve(10) == pytest.approx(0.06)
+    assert curve(28) == pytest.approx(0.09)  # past the last point: the last slope
+
+
+def test_policy_speculates_alone_and_backs_off_under_load() -> None:
+    # The CPU curve of SmolLM2 (the note's figures): 1 -> 31 ms, 4 -> 49 ms, 64 -> 114 ms; past 64
+    # rows a made-up tail, cheap up to 128 then steep.
+    points = (
+        (1, 0.031),
+        (2, 0.043),
+        (4, 0.049),
+        (8, 0.060),
+        (16, 0.071),
+        (64, 0.114),
+        (128, 0.14),
+        (512, 0.9),
+    )
+    curve = LatencyCurve(points)
+    policy = SpeculationPolicy(curve)
+    good = Candidate(4, [0.7, 0.5, 0.35, 0.25], 0.0)
+    poor = Candidate(4, [0.2, 0.08, 0.03, 0.01], 0.0)
+    assert policy.budgets([good], 1, 512) == [4]
+    assert policy.budgets([poor], 1, 512) == [0]
+    wide = policy.budgets([poor] * 64, 64, 512)
+    assert wide == [0] * 64
+    # Under load the good requests keep some draft, the poor ones none.
+    mixed = policy.budgets([good] * 8 + [poor] * 56, 64, 512)
+    assert sum(mixed[8:]) == 0 and all(k >= 1 for k in mixed[:8])
+    # A costly drafter (a draft model's forwards) gets less than a free one.
+    costly = Candidate(4, good.accept_rates, 0.02)
+    assert policy.budgets([costly], 1, 512)[0] < 4
+
+
+def test_accept_rates_shrink_and_never_increase() -> None:
+    rates = accept_rates([10, 10, 10], [9, 1, 5], [0.5, 0.25, 0.125], 4)
+    assert rates[0] == pytest.approx((9 + 4 * 0.5) / 14)
+    assert rates[2] <= rates[1] == pytest.approx((1 + 4 * 0.25) / 14)
+    assert rates[3] <= rates[2]
