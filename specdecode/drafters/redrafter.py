@@ -408,7 +408,7 @@ class ReDrafter(Drafter):
             self.hidden,
             req.root,
             self.target.embed.weight,
-            self.target.head_weight_t(),
+            self._lm_weight_t(),
             self.width,
             self.depth,
         )
@@ -417,6 +417,15 @@ class ReDrafter(Drafter):
         return Proposal(
             DraftTree(torch.tensor(tokens[:n], dtype=torch.long), torch.tensor(parents[:n], dtype=torch.long))
         )
+
+    def _lm_weight_t(self) -> Tensor:
+        """(C, V) the target's LM head for drafting. Each beam step reads all of it for a few rows,
+        so on a CPU its cost is the bytes read: a float32 target lends its bfloat16 screening copy
+        (`Transformer.greedy_tokens`), half the bytes. Drafts need no exact logits (the verifier
+        decides), and beam scores are summed in float32 all the same."""
+        if self.target.dtype == torch.float32 and self.target.device.type == "cpu":
+            return self.target._screening_head()[0].t()  # (V, C) bfloat16, viewed as (C, V)
+        return self.target.head_weight_t()
 
     def observe(self, req: Request, result: StepResult) -> None:
         accepted = result.verdict.accepted_nodes

@@ -29,6 +29,7 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -176,9 +177,10 @@ def fit(
     data: Positions,
     settings: TrainSettings,
     state_file: Path,
+    on_step: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Train `head` in place on `data`, checkpointing to `state_file` (resumed when it exists;
-    Ctrl-C as in `pipeline.train_loop`). `embedding` (V, C) and `lm_weight` (C, V) are the
+    `on_step` and Ctrl-C as in `pipeline.train_loop`). `embedding` (V, C) and `lm_weight` (C, V) are the
     target's, frozen, `lm_weight` in the compute dtype. Returns the mean loss of the last 50
     steps and the last batch's depth-1 accuracy."""
     device = lm_weight.device
@@ -222,6 +224,7 @@ def fit(
         state_file=state_file,
         fingerprint=fingerprint(settings, keys, positions=len(data), total=total),
         desc="redrafter",
+        on_step=on_step,
     )
     return figures
 

@@ -1,0 +1,540 @@
+"""ReDrafter: beams merged into one tree (table-driven), beam search against exhaustive search,
+greedy output equal to plain greedy decoding (random and trained drafters, several beam shapes,
+width 1 included), losslessness under sampling (and a wrong q caught), settings and checkpoint
+errors, Apple's reference layout drafting like our format, the training loop's resume, the
+`specdecode train redrafter` command, and the shipped drafter on the real model (`real`).
+
+The sampling test runs the real engine, one `Request` (own seed) per sample, on a tiny target
+with an 8-token vocabulary and compares 3-token generations with the exact distribution, using
+the chi-square + total-variation check of tests/test_draft_model.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdecode.cli import build_parser, main, speculative_settings
+from specdecode.drafters.base import Proposal
+from specdecode.drafters.redrafter import (
+    ReDrafter,
+    ReDrafterHead,
+    beam_search,
+    check_fits,
+    load_head,
+    merge_beams,
+    save_head,
+)
+from specdecode.engine import Engine, Request
+from specdecode.errors import SpecDecodeError
+from specdecode.llm import LLM
+from specdecode.models.transformer import Transformer
+from specdecode.sampling import SamplingParams, logits_to_probs
+from specdecode.spec_config import ReDrafterConfig, parse_speculative
+from specdecode.train.data import Sample
+from specdecode.train.features import extract
+from specdecode.train.redrafter import TrainSettings, drafter_logits, fit, positions
+from specdecode.tree import DraftTree
+from tests.test_draft_model import (
+    PARAMS,
+    PROMPT,
+    SEQ_LEN,
+    check_distribution,
+    exact_distribution,
+    greedy,
+    run,
+)
+from tests.test_draft_model import tiny_transformer as small_transformer
+from tests.tiny import make_tiny_hf
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def random_head(model: Transformer, seed: int = 0, std: float = 0.3, **kwargs: object) -> ReDrafterHead:
+    """A drafter that drafts something other than the target's next token."""
+    torch.manual_seed(seed)
+    head = ReDrafterHead(model.config.hidden_size, model.config.vocab_size, **kwargs)  # type: ignore[arg-type]
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, std)
+    return head.eval()
+
+
+PROMPTS = {
+    "repetitive": [10, 11, 12, 13, 14, 15] * 5,
+    "mixed": [5, 6, 7, 40, 41, 5, 6, 7, 90, 3, 5, 6],
+    "counting": list(range(20, 50)),
+    "one token": [93],
+}
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir: Path) -> Transformer:
+    return Transformer.from_dir(tiny_model_dir)
+
+
+# ------------------------------------------------------------------------------------------------
+# Beams and the tree
+
+
+@pytest.mark.parametrize(
+    ("beams", "tokens", "parents"),
+    [
+        pytest.param([[5, 6, 7]], [5, 6, 7], [0, 1, 2], id="one beam: a chain"),
+        pytest.param([[5, 6, 7], [5, 6, 8]], [5, 6, 7, 8], [0, 1, 2, 2], id="split at the last"),
+        pytest.param([[5, 6, 7], [5, 8], [9]], [5, 9, 6, 8, 7], [0, 0, 1, 1, 3], id="docstring example"),
+        pytest.param(
+            [[1, 2], [3, 2], [1, 4], [3, 4]],
+            [1, 3, 2, 2, 4, 4],
+            [0, 0, 1, 2, 1, 2],
+            id="same tokens, other prefixes",
+        ),
+        pytest.param([[4, 4], [4, 4]], [4, 4], [0, 1], id="duplicate beams"),
+        pytest.param([], [], [], id="no beams"),
+    ],
+)
+def test_merge_beams(beams: list[list[int]], tokens: list[int], parents: list[int]) -> None:
+    got_tokens, got_parents = merge_beams(beams)
+    assert (got_tokens, got_parents) == (tokens, parents)
+    if tokens:  # every beam is a root-to-node path of the tree
+        tree = DraftTree(torch.tensor(got_tokens), torch.tensor(got_parents))
+        paths = {
+            tuple(int(tree.tokens[n - 1]) for n in p[: d + 1]) for p in tree.paths() for d in range(len(p))
+        }
+        assert all(tuple(b) in paths for b in beams)
+        assert len(paths) == len(tokens)  # one node per distinct prefix
+
+
+def test_beam_search_is_exhaustive_when_wide_enough() -> None:
+    """With width >= V^(depth-1) nothing is pruned, so the beams are exactly the `width` best
+    sequences over all V^depth by the teacher-forced scores the training loss uses."""
+    model = small_transformer(8, seed=4, hidden=16, std=0.5)
+    head = random_head(model, seed=2, std=0.5)
+    context = torch.randn(16)
+    root, depth, width = 3, 3, 64
+    emb, lm = model.embed.weight.detach(), model.head_weight_t()
+    beams, scores = beam_search(head, context, root, emb, lm, width, depth)
+    every = torch.tensor(list(itertools.product(range(8), repeat=depth)))  # (512, D)
+    fed = torch.cat([torch.full((every.shape[0], 1), root), every[:, :-1]], dim=1)  # (512, D)
+    with torch.no_grad():
+        logp = torch.log_softmax(drafter_logits(head, context.expand(512, 16), fed, emb, lm), -1)
+    total = logp.gather(-1, every[..., None]).squeeze(-1).sum(-1)  # (512,)
+    best = total.topk(width)
+    assert torch.equal(beams, every[best.indices])
+    torch.testing.assert_close(scores, best.values)
+
+
+def test_beam_width_one_is_the_drafters_greedy_chain(target: Transformer) -> None:
+    head = random_head(target)
+    context = torch.randn(target.config.hidden_size)
+    emb, lm = target.embed.weight.detach(), target.head_weight_t()
+    beams, _ = beam_search(head, context, 7, emb, lm, 1, 4)
+    chain, state, last = [], torch.zeros(1, target.config.hidden_size), torch.tensor([7])
+    with torch.no_grad():
+        for _ in range(4):
+            state = head.step(state, emb[last])
+            last = head(context[None], state, lm).argmax(-1)
+            chain.append(int(last))
+    assert beams.tolist() == [chain]
+
+
+# ------------------------------------------------------------------------------------------------
+# Greedy equality
+
+
+@pytest.mark.parametrize(("width", "length"), [(1, 2), (1, 5), (3, 3), (4, 5), (8, 4)])
+def test_greedy_equals_plain_greedy_with_a_random_drafter(
+    target: Transformer, width: int, length: int
+) -> None:
+    head = random_head(target)
+    for name, prompt in PROMPTS.items():
+        plain = run(target, prompt, None, greedy())
+        drafter = ReDrafter(head, target, width, length)
+        spec = run(target, prompt, drafter, greedy())
+        assert spec.output_ids == plain.output_ids, name
+        assert spec.stats.num_draft_tokens > 0
+        assert drafter.max_nodes == width * (length - 1)
+
+
+def test_own_lm_head_and_no_rnn_variants(target: Transformer) -> None:
+    """The reference's layouts: own LM head with exit_dim 2C (no projection), and rnn False."""
+    c = target.config.hidden_size
+    for kwargs in ({"exit_dim": 2 * c, "shared_lm_head": False}, {"rnn": False}):
+        head = random_head(target, **kwargs)
+        prompt = PROMPTS["mixed"]
+        spec = run(target, prompt, ReDrafter(head, target, 3, 4), greedy())
+        assert spec.output_ids == run(target, prompt, None, greedy()).output_ids
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Transformer, ReDrafterHead]:
+    """A tiny target and a drafter fitted (a few seconds) to the target's own greedy
+    continuations of PROMPTS: an oracle for exactly the rows decoding shows it. This checks
+    that training and drafting agree on what the drafter reads (the row that produced the root,
+    the root fed first, then each beam's tokens): otherwise its guesses would not be accepted."""
+    out = tmp_path_factory.mktemp("redrafter_trained")
+    make_tiny_hf("llama", out / "model", seed=3)
+    model = Transformer.from_dir(out / "model")
+    samples = [Sample(p, [False] * len(p), len(p)) for p in PROMPTS.values()]
+    max_len = max(len(p) for p in PROMPTS.values()) + 81
+    feats = extract(
+        model, samples, generate=True, max_len=max_len, eos_ids=[], cache_dir=out / "f", model_tag="t",
+        progress=False,
+    )  # fmt: skip
+    settings = TrainSettings(
+        data="-", out=str(out), depth=3, epochs=150, lr=1e-2, batch_size=64, progress=False
+    )
+    head = ReDrafterHead(model.config.hidden_size, model.config.vocab_size, num_layers=1)
+    fit(
+        head,
+        model.embed.weight.detach(),
+        model.head_weight_t().detach(),
+        positions(feats, 3),
+        settings,
+        out / "s.pt",
+    )
+    return model, head
+
+
+def test_trained_drafter_accepts_and_stays_exact(trained: tuple[Transformer, ReDrafterHead]) -> None:
+    model, head = trained
+    tokens = forwards = 0
+    for name, prompt in PROMPTS.items():
+        plain = run(model, prompt, None, greedy(80))
+        spec = run(model, prompt, ReDrafter(head, model, 2, 4), greedy(80))
+        assert spec.output_ids == plain.output_ids, name
+        tokens += spec.stats.num_generated_tokens
+        forwards += spec.stats.num_target_forwards
+    assert tokens / forwards > 3.0, tokens / forwards  # 4 = every draft token accepted
+
+
+def test_room_limits_the_tree(target: Transformer) -> None:
+    """Near the end of the context the merged tree is cut to the room left; output is unchanged."""
+    head = random_head(target)
+    long_prompt = [(7 * i) % 96 for i in range(250)]  # context 256
+    req = run(target, long_prompt, ReDrafter(head, target, 4, 5), greedy(40))
+    assert req.output_ids == run(target, long_prompt, None, greedy(40)).output_ids
+    assert len(req.output_ids) == 6
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling: the distribution of generated sequences
+
+
+@pytest.fixture(scope="module")
+def small() -> tuple[Transformer, ReDrafterHead, dict[tuple[int, ...], float]]:
+    target = small_transformer(8, seed=10, hidden=16, std=0.5)
+    head = random_head(target, seed=1, std=0.2)  # beams that split at depth 1: tau ~1.3
+    return target, head, exact_distribution(target, PROMPT, SEQ_LEN)
+
+
+class ClaimsDrafterSoftmax(ReDrafter):
+    """Picks tokens by beam search (deterministic) but reports the drafter's softmax at each
+    node's parent as the distribution the node was drawn from: the verifier's acceptance test
+    and residual are then wrong."""
+
+    def propose(self, req: Request) -> Proposal:
+        tree = super().propose(req).tree
+        if self.hidden is None or tree.num_nodes == 0:
+            return Proposal(tree)
+        emb, lm = self.target.embed.weight, self.target.head_weight_t()
+        q = torch.zeros(tree.num_nodes, self.head.vocab_size)
+        states = [torch.zeros(self.head.hidden_size)]  # index 0: the root's parent state
+        fed = [req.root]
+        with torch.inference_mode():
+            for i, parent in enumerate(tree.parents.tolist()):
+                state = self.head.step(states[parent], emb[fed[parent]])
+                q[i] = logits_to_probs(self.head(self.hidden, state, lm), req.params)
+                states.append(state)
+                fed.append(int(tree.tokens[i]))
+        return Proposal(DraftTree(tree.tokens, tree.parents, q))
+
+
+def sample_sequences(
+    target: Transformer, head: ReDrafterHead, lying: bool, n: int
+) -> tuple[Counter[tuple[int, ...]], float]:
+    counts: Counter[tuple[int, ...]] = Counter()
+    forwards = 0
+    for seed in range(n):
+        params = SamplingParams(max_tokens=SEQ_LEN, seed=seed, ignore_eos=True, **PARAMS)
+        drafter = (ClaimsDrafterSoftmax if lying else ReDrafter)(head, target, 2, 3)
+        req = run(target, PROMPT, drafter, params)
+        counts[tuple(req.output_ids)] += 1
+        forwards += req.stats.num_target_forwards
+    return counts, n * SEQ_LEN / forwards
+
+
+def test_sampling_is_lossless(small: tuple[Transformer, ReDrafterHead, dict]) -> None:
+    target, head, exact = small
+    counts, tau = sample_sequences(target, head, lying=False, n=3000)
+    result = check_distribution(counts, exact)
+    assert result.ok, result
+    assert tau > 1.1, tau  # the drafts were used and often accepted
+
+
+def test_check_catches_the_drafters_softmax_as_q(small: tuple[Transformer, ReDrafterHead, dict]) -> None:
+    target, head, exact = small
+    counts, _ = sample_sequences(target, head, lying=True, n=1500)
+    result = check_distribution(counts, exact)
+    assert not result.ok, result
+    assert result.p_value < 1e-6, result
+
+
+# ------------------------------------------------------------------------------------------------
+# Settings, checkpoints
+
+
+BAD = [
+    ({"method": "redrafter", "beam_width": 0}, "beam_width must be a positive integer"),
+    ({"method": "redrafter", "beam_width": True}, "beam_width must be a positive integer"),
+    ({"method": "redrafter", "beam_length": 1}, "beam_length must be >= 2"),
+    ({"method": "redrafter", "beam_length": 2.5}, "beam_length must be a positive integer"),
+    ({"method": "redrafter", "head": ""}, "head must be a path"),
+    ({"method": "redrafter", "heads": "x"}, "unknown option heads"),
+]
+
+
+@pytest.mark.parametrize(("spec", "words"), BAD, ids=[str(b[0]) for b in BAD])
+def test_bad_settings_name_the_setting(spec: dict, words: str) -> None:
+    with pytest.raises(SpecDecodeError) as err:
+        parse_speculative(spec)
+    assert words in str(err.value)
+
+
+def test_settings_and_cli_flags() -> None:
+    spec = parse_speculative({"method": "redrafter", "beam_width": 2})
+    assert spec == ReDrafterConfig(head=None, beam_width=2, beam_length=5)
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--beam-width", "3", "--head", "/d"])
+    assert speculative_settings(args) == {"method": "redrafter", "head": "/d", "beam_width": 3}
+    args = build_parser().parse_args(
+        ["generate", "--prompt", "x", "--method", "medusa", "--beam-length", "3"]
+    )
+    with pytest.raises(SpecDecodeError, match="unknown option beam_length"):
+        parse_speculative(speculative_settings(args))
+
+
+def reference_dir(head: ReDrafterHead, out: Path, kind: str) -> Path:
+    """`head` written as apple/ml-recurrent-drafter's `save_pretrained` would: its config and
+    `lm_head` = Sequential(ResBlock * L, Linear(E, V)) naming."""
+    from safetensors.torch import save_file
+
+    assert head.lm_head is not None
+    state = {}
+    for name, tensor in head.state_dict().items():
+        if name.startswith("blocks."):
+            name = "lm_head." + name.removeprefix("blocks.")
+        elif name == "lm_head.weight":
+            name = f"lm_head.{head.num_layers}.weight"
+        state[name] = tensor.detach().clone()
+    out.mkdir()
+    config = {
+        "model_type": "recurrent_drafting_drafter", "vocab_size": head.vocab_size,
+        "hidden_size": head.hidden_size, "exit_dim": head.exit_dim, "num_draft_layers": head.num_layers,
+        "num_lookback_tokens": 1, "rnn": head.rnn, "torch_dtype": "float32",
+    }  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    if kind == "safetensors":
+        save_file(state, str(out / "model.safetensors"))
+    else:
+        torch.save(state, out / "pytorch_model.bin")
+    return out
+
+
+@pytest.mark.parametrize("exit_dim", ["2C", "C"])
+def test_reference_layout_drafts_like_our_format(target: Transformer, tmp_path: Path, exit_dim: str) -> None:
+    c = target.config.hidden_size
+    head = random_head(target, seed=5, exit_dim=2 * c if exit_dim == "2C" else c, shared_lm_head=False)
+    assert (head.input_proj is None) == (exit_dim == "2C")
+    save_head(head, tmp_path / "ours", target="tiny", dtype=torch.float32)
+    reference_dir(head, tmp_path / "safetensors", "safetensors")
+    reference_dir(head, tmp_path / "bin", "bin")
+    loaded = {name: load_head(tmp_path / name) for name in ("ours", "safetensors", "bin")}
+    prompt = PROMPTS["mixed"]
+    trees = {}
+    for name, h in loaded.items():
+        drafter = ReDrafter(h, target, 4, 4)
+        req = Request(target, prompt, greedy(8), [], drafter)
+        drafter.begin(req, Engine(target).prefill(req))
+        trees[name] = drafter.propose(req).tree
+    for name in ("safetensors", "bin"):
+        assert not loaded[name].shared_lm_head
+        assert torch.equal(trees[name].tokens, trees["ours"].tokens), name
+        assert torch.equal(trees[name].parents, trees["ours"].parents), name
+    assert trees["ours"].num_nodes > 4  # beams that split
+    outs = {name: run(target, prompt, ReDrafter(h, target, 4, 4), greedy(32)) for name, h in loaded.items()}
+    assert outs["ours"].output_ids == outs["bin"].output_ids == outs["safetensors"].output_ids
+    assert outs["ours"].stats == outs["bin"].stats == outs["safetensors"].stats
+
+
+def test_checkpoint_errors(target: Transformer, tmp_path: Path) -> None:
+    cfg = target.config
+    with pytest.raises(SpecDecodeError, match="trained for another target: hidden size 32"):
+        check_fits(ReDrafterHead(32, cfg.vocab_size), target)
+    with pytest.raises(SpecDecodeError, match="vocabulary 100"):
+        ReDrafter(ReDrafterHead(cfg.hidden_size, 100), target, 2, 3)
+    with pytest.raises(SpecDecodeError, match="beam_length >= 2"):
+        ReDrafter(ReDrafterHead(cfg.hidden_size, cfg.vocab_size), target, 2, 1)
+    with pytest.raises(SpecDecodeError, match="exit_dim = hidden size"):
+        ReDrafterHead(cfg.hidden_size, cfg.vocab_size, exit_dim=2 * cfg.hidden_size)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SpecDecodeError, match="no ReDrafter in"):
+        load_head(tmp_path / "empty")
+    with pytest.raises(SpecDecodeError, match="no such directory"):
+        load_head(tmp_path / "missing")
+    head = random_head(target, shared_lm_head=False)
+    broken = reference_dir(head, tmp_path / "broken", "safetensors")
+    (broken / "config.json").write_text(json.dumps({"model_type": "recurrent_drafting_drafter"}))
+    with pytest.raises(SpecDecodeError, match="not a ReDrafter config"):
+        load_head(broken)
+
+
+def test_llm_loads_the_drafter_once_and_names_missing_ones(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from tests.test_train import write_chat_tokenizer
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for f in tiny_model_dir.iterdir():
+        (model_dir / f.name).write_bytes(f.read_bytes())
+    write_chat_tokenizer(model_dir)
+    llm = LLM(model=str(model_dir), progress=False)
+    save_head(random_head(llm.model), tmp_path / "head", target="tiny", dtype=torch.float32)
+    spec = {"method": "redrafter", "head": str(tmp_path / "head"), "beam_width": 3}
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = llm.generate([[5, 6, 7, 8]], params, speculative=None)[0]
+    out = llm.generate([[5, 6, 7, 8]], params, speculative=spec)[0]
+    assert out.token_ids == plain.token_ids and out.stats.num_draft_tokens > 0
+    assert llm.redrafter_head(str(tmp_path / "head")) is llm.redrafter_head(str(tmp_path / "head/"))
+    save_head(ReDrafterHead(32, 96), tmp_path / "narrow", target="other")
+    with pytest.raises(SpecDecodeError, match="trained for another target"):
+        llm.generate([[5, 6]], params, speculative={"method": "redrafter", "head": str(tmp_path / "narrow")})
+    with pytest.raises(SpecDecodeError, match="specdecode train redrafter --model"):
+        LLM(model=str(model_dir), speculative={"method": "redrafter"}, progress=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# Training
+
+
+def test_positions_feed_the_root_then_the_labels() -> None:
+    """Position t: x_{t+1} is fed first; label k is x_{t+1+k} while the assistant wrote t+2..t+1+k."""
+    from specdecode.train.features import Features
+    from specdecode.train.medusa import IGNORE
+
+    ids = torch.tensor([1, 2, 3, 4, 5, 6, 7])
+    mask = torch.tensor([False, False, True, True, False, True, True])
+    hidden = torch.arange(6, dtype=torch.float16)[:, None].expand(6, 2)  # row t holds t
+    data = positions(Features([ids, ids], [mask, mask], [hidden, hidden]), depth=3)
+    i = IGNORE
+    expected = [[2, 3, 4, i], [3, 4, i, i], [5, 6, 7, i], [6, 7, i, i]]  # t = 0, 1, 3, 4
+    assert data.tokens.tolist() == expected * 2
+    assert data.rows.tolist() == [0, 1, 3, 4, 6, 7, 9, 10]  # the second sample's rows follow the first's
+    assert data.hidden[data.rows, 0].tolist() == [0, 1, 3, 4] * 2
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.test_train import write_chat_tokenizer
+
+    out = tmp_path_factory.mktemp("redrafter_chat")
+    make_tiny_hf("llama", out, seed=0)
+    write_chat_tokenizer(out)
+    return out
+
+
+def test_resumed_training_ends_where_an_uninterrupted_run_does(tiny_chat: Path, tmp_path: Path) -> None:
+    model = Transformer.from_dir(tiny_chat)
+    samples = [Sample(p, [True] * len(p), 1) for p in PROMPTS.values()]
+    feats = extract(
+        model, samples, generate=False, max_len=64, eos_ids=[], cache_dir=tmp_path / "f", model_tag="t",
+        progress=False,
+    )  # fmt: skip
+    data = positions(feats, 3)
+    settings = TrainSettings(
+        data="-", out=str(tmp_path), depth=3, distill=0.5, epochs=3, batch_size=16, lr=3e-3, save_every=4,
+        progress=False,
+    )  # fmt: skip
+    emb, lm = model.embed.weight.detach(), model.head_weight_t().detach()
+
+    def new_head() -> ReDrafterHead:
+        torch.manual_seed(0)
+        return ReDrafterHead(model.config.hidden_size, model.config.vocab_size, num_layers=1)
+
+    straight = new_head()
+    fit(straight, emb, lm, data, settings, tmp_path / "straight.pt")
+
+    def ctrl_c_at_5(step: int) -> None:
+        if step == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    state = tmp_path / "resumed.pt"
+    with pytest.raises(KeyboardInterrupt):
+        fit(new_head(), emb, lm, data, settings, state, on_step=ctrl_c_at_5)
+    assert torch.load(state, weights_only=True)["step"] == 6  # the step under way finishes
+    resumed = new_head()  # a fresh process: everything comes from the checkpoint
+    fit(resumed, emb, lm, data, settings, state)
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert not torch.equal(straight.rnn_w.weight, new_head().rnn_w.weight)
+    other = TrainSettings(**{**settings.__dict__, "distill": 0.0})
+    with pytest.raises(SpecDecodeError, match="other settings"):
+        fit(new_head(), emb, lm, data, other, state)
+
+
+def test_train_command_end_to_end(
+    tiny_chat: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`specdecode train redrafter` on a tiny ShareGPT file: drafter, config and report written,
+    the drafter decodes exactly like plain greedy, and a second run needs --resume."""
+    from tests.test_train import write_sharegpt
+
+    data = tmp_path / "sharegpt.json"
+    write_sharegpt(data, 30)
+    out = tmp_path / "drafter"
+    argv = [
+        "train", "redrafter", "--model", str(tiny_chat), "--data", str(data), "--out", str(out),
+        "--depth", "3", "--num-layers", "1", "--max-len", "96", "--epochs", "2", "--batch-size", "64",
+        "--heldout", "5", "--eval-prompts", "2", "--eval-tokens", "24", "--beam-width", "2",
+        "--dtype", "float32", "--self-distill", "--feature-batch-size", "8",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "held-out top-1 accuracy per depth" in printed and "held-out τ" in printed
+    report = json.loads((out / "report.json").read_text())
+    assert len(report["heldout_top1"]) == 3 and report["heldout_tau"] >= 1.0
+    head = load_head(out)
+    assert head.num_layers == 1 and head.shared_lm_head
+    assert (out / "redrafter.safetensors").stat().st_size < 100_000  # shared LM head: no V x C matrix
+
+    llm = LLM(model=str(tiny_chat), speculative={"method": "redrafter", "head": str(out)}, progress=False)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    for text in ("the cat", "a"):
+        spec, plain = llm.generate(text, params)[0], llm.generate(text, params, speculative=None)[0]
+        assert spec.token_ids == plain.token_ids
+
+    assert main(argv) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert main([*argv, "--resume"]) == 0  # a finished run: re-exported from its checkpoint
+    assert main([*argv, "--distill", "1.5"]) == 2
+    assert "--distill must be in [0, 1]" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# The shipped drafter on the real model
+
+
+@pytest.mark.real
+def test_shipped_drafter_on_smollm2() -> None:
+    llm = LLM(model="smollm2-135m", speculative={"method": "redrafter"}, progress=False)
+    params = SamplingParams(max_tokens=48, temperature=0)
+    ids = llm.chat_prompt([{"role": "user", "content": "Write a short poem about the sea."}])
+    spec = llm.generate([ids], params)[0]
+    plain = llm.generate([ids], params, speculative=None)[0]
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.mean_accepted_length >= 1.5, spec.stats.mean_accepted_length
