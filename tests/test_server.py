@@ -21,10 +21,11 @@ import openai
 import pytest
 import uvicorn
 
-from specdecode import LLM, SpecDecodeError
+from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.outputs import SpecStats
 from specdecode.serving.async_engine import AsyncEngine
-from specdecode.serving.engine import EngineStats, RequestDelta, ServeRequest
+from specdecode.serving.config import ServingConfig
+from specdecode.serving.engine import EngineStats, RequestDelta, ServeRequest, ServingEngine
 from specdecode.serving.server import create_app
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -441,3 +442,121 @@ def test_memory_sizes(text: str, size: int) -> None:
     from specdecode.cli import _memory_size
 
     assert _memory_size(text) == size
+
+
+# ---- the real serving engine behind HTTP -------------------------------------------------------
+
+GREEDY_PROMPTS = ["the the tea in the tea", "in 12 12 12 in", "the a the a the a"]
+SPECS = [
+    None,
+    {"method": "prompt_lookup"},
+    {"method": "lookahead", "window_size": 3, "ngram_size": 3, "verification_set_size": 3},
+]
+
+
+@pytest.fixture(scope="module")
+def real(llm: LLM) -> Iterator[tuple[str, ServingEngine]]:
+    """The real engine on the tiny model; the policy off, so every request drafts as it asks."""
+    engine = ServingEngine(
+        llm, ServingConfig(block_size=4, max_num_seqs=8, max_batch_tokens=64, policy=False)
+    )
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    with serving(create_app(llm, async_engine, model_name=MODEL)) as url:
+        yield url, engine
+    async_engine.shutdown()
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["plain", "prompt_lookup", "lookahead"])
+def test_greedy_over_http_equals_llm_generate(real, llm: LLM, spec) -> None:
+    client = openai.OpenAI(base_url=real[0] + "/v1", api_key="x", max_retries=0)
+    params = SamplingParams(max_tokens=20, temperature=0)
+    extra = {"speculative": spec}
+    drafted = 0
+    for prompt in GREEDY_PROMPTS:
+        expected = llm.generate(prompt, params, speculative=None)[0]
+        out = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=20, temperature=0, extra_body=extra
+        )
+        assert out.choices[0].text == expected.text, (prompt, spec)
+        assert out.usage.completion_tokens == len(expected.token_ids)
+        drafted += out.usage.model_dump()["num_draft_tokens"]
+        chunks = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stream=True, extra_body=extra
+        )
+        assert "".join(c.choices[0].text for c in chunks) == expected.text
+    assert (drafted > 0) == (spec is not None)
+    messages = [{"role": "user", "content": GREEDY_PROMPTS[0]}]
+    expected = llm.chat(messages, params, speculative=None)[0]
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=20, temperature=0, extra_body=extra
+    )
+    assert out.choices[0].message.content == expected.text
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=20, temperature=0, stream=True, extra_body=extra
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+
+
+def test_real_concurrent_n_and_metrics(real, llm: LLM) -> None:
+    url, engine = real
+    metrics_before = httpx.get(url + "/metrics").text
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    jobs = [(p, s) for p in GREEDY_PROMPTS for s in SPECS]
+
+    def send(job) -> list[str]:
+        prompt, spec = job
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        out = c.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=16,
+            temperature=0,
+            n=2,
+            extra_body={"speculative": spec, "ignore_eos": True},
+        )
+        return [ch.text for ch in sorted(out.choices, key=lambda ch: ch.index)]
+
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        for (prompt, _), texts in zip(jobs, pool.map(send, jobs), strict=True):
+            expected = llm.generate(prompt, params, speculative=None)[0].text
+            assert texts == [expected, expected]
+    wait_for(lambda: engine.stats.kv_blocks_used == 0)
+    after = httpx.get(url + "/metrics").text
+    assert 'specdecode_draft_tokens_proposed_total{method="prompt_lookup"}' in after
+    assert after != metrics_before
+
+
+def test_real_disconnect_frees_blocks(real) -> None:
+    url, engine = real
+    aborted = engine.stats.num_aborted
+    body = {"model": MODEL, "prompt": "the tea", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body) as r:
+        assert next(r.iter_lines()).startswith("data: ")
+    wait_for(lambda: engine.stats.num_aborted == aborted + 1)
+    wait_for(lambda: engine.stats.kv_blocks_used == 0 and not engine.has_unfinished())
+
+
+@pytest.mark.real
+def test_smollm2_chat_over_http_equals_llm_chat() -> None:
+    llm = LLM(model="smollm2-135m", progress=False)
+    config = ServingConfig(kv_cache_memory=64 * 2**20, max_num_seqs=4, policy=False)
+    async_engine = AsyncEngine(ServingEngine(llm, config))
+    async_engine.start()
+    messages = [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}]
+    expected = llm.chat(messages, SamplingParams(max_tokens=24, temperature=0), speculative=None)[0]
+    try:
+        with serving(create_app(llm, async_engine)) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            out = client.chat.completions.create(
+                model="smollm2-135m",
+                messages=messages,
+                max_tokens=24,
+                temperature=0,
+                extra_body={"speculative": {"method": "prompt_lookup"}},
+            )
+    finally:
+        async_engine.shutdown()
+    assert out.choices[0].message.content == expected.text
+    usage = out.usage.model_dump()
+    assert usage["num_draft_tokens"] > 0 and usage["mean_accepted_length"] > 1
