@@ -1,0 +1,85 @@
+"""The few-row CPU kernel: same products as `x @ W`, each row independent of its batch, and a
+tiled model that decodes exactly as the untiled one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.models import cpu_gemm
+from specdecode.models.transformer import Dense, Transformer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+needs_kernel = pytest.mark.skipif(cpu_gemm.kernel() is None, reason="no AVX-512 CPU or C++ compiler here")
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 12, 13, 16, 24, 25, 40])
+@pytest.mark.parametrize(("k", "n"), [(64, 96), (576, 960), (1536, 576)])
+def test_tiled_matmul_equals_matmul(m: int, k: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+    tiles = cpu_gemm.tile_weight(w)
+    assert tiles.shape == (n // cpu_gemm.TILE, k, cpu_gemm.TILE)
+    assert torch.equal(cpu_gemm.untile_weight(tiles), w)
+    # sums of k products of N(0, 1) values: rounding differs from MKL by ~1e-7 * sqrt(k) * |terms|
+    torch.testing.assert_close(cpu_gemm.tiled_matmul(x, tiles), x @ w, rtol=1e-5, atol=1e-3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [2, 7, 12, 16, 24])
+def test_kernel_rows_do_not_depend_on_the_batch(m: int) -> None:
+    """Bitwise: a row multiplied alone equals the same row inside any batch (any row block)."""
+    gen = torch.Generator().manual_seed(m)
+    x, w = torch.randn(m, 576, generator=gen), torch.randn(576, 960, generator=gen)
+    tiles = cpu_gemm.tile_weight(w)
+    batch = cpu_gemm.tiled_matmul(x, tiles)
+    alone = torch.cat([cpu_gemm.tiled_matmul(x[i : i + 1], tiles) for i in range(m)])
+    assert torch.equal(batch, alone)
+
+
+def test_fallback_when_gradients_are_needed() -> None:
+    """Training reads the same module: the kernel cannot backpropagate, so autograd takes the
+    batched-matmul path and gradients flow."""
+    w = torch.randn(64, 96)
+    tiles = cpu_gemm.tile_weight(w).requires_grad_()
+    x = torch.randn(3, 64)
+    cpu_gemm.tiled_matmul(x, tiles).sum().backward()
+    assert tiles.grad is not None
+    torch.testing.assert_close(cpu_gemm.untile_weight(tiles.grad), x.sum(0, keepdim=True).T.expand(64, 96))
+
+
+def test_dense_tile_keeps_its_function_and_bias() -> None:
+    dense = Dense(64, 96, bias=True)
+    with torch.no_grad():
+        dense.bias.normal_()
+    x = torch.randn(2, 3, 64)
+    before, matrix = dense(x), dense.weight_t.detach().clone()
+    assert dense.tile()
+    assert not hasattr(dense, "weight_t") and dense.weight_tiles is not None
+    assert torch.equal(dense.matrix(), matrix)
+    torch.testing.assert_close(dense(x), before, rtol=1e-5, atol=1e-5)
+    assert not Dense(64, 100).tile()  # 100 columns do not split into tiles: left as it was
+
+
+@needs_kernel
+def test_tiled_model_matches_untiled(tiny_model_dir) -> None:
+    """Loading tiles a CPU float32 model; its forward equals the untiled model's."""
+    tiled = Transformer.from_dir(tiny_model_dir)
+    assert tiled.layers[0].qkv.weight_tiles is not None
+    plain = Transformer.from_dir(tiny_model_dir)
+    for layer in plain.layers:
+        for dense in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            matrix = dense.matrix().contiguous()
+            dense.weight_tiles = None
+            dense.weight_t = torch.nn.Parameter(matrix, requires_grad=False)
+    ids = torch.randint(0, tiled.config.vocab_size, (1, 20))
+    pos = torch.arange(20)[None]
+    with torch.inference_mode():
+        a = tiled(ids, pos, tiled.new_cache(32))
+        b = plain(ids, pos, plain.new_cache(32))
+        c1, c2 = tiled.new_cache(32), plain.new_cache(32)
+        steps_a = [tiled(ids[:, i : i + 1], pos[:, i : i + 1], c1) for i in range(20)]
+        steps_b = [plain(ids[:, i : i + 1], pos[:, i : i + 1], c2) for i in range(20)]
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.cat(steps_a, 1), torch.cat(steps_b, 1), rtol=1e-4, atol=1e-4)
