@@ -93,18 +93,16 @@ def tiled_matmul(x: torch.Tensor, tiled: torch.Tensor) -> torch.Tensor:
     """x (M, K) @ W for W tiled as (N / 32, K, 32); returns (M, N)."""
     m = x.shape[0]
     t, k, w = tiled.shape
-    fn = kernel() if 0 < m <= MAX_KERNEL_ROWS else None
-    usable = (
-        fn is not None
-        and x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and tiled.dtype == torch.float32
-        and not (torch.is_grad_enabled() and (x.requires_grad or tiled.requires_grad))
-    )
-    if not usable:
+    # Cheap checks first: this runs ~120 times per decoded token.
+    fn = kernel() if 0 < m <= MAX_KERNEL_ROWS and x.dtype is torch.float32 and x.is_cpu else None
+    if (
+        fn is None
+        or tiled.dtype is not torch.float32
+        or (torch.is_grad_enabled() and (tiled.requires_grad or x.requires_grad))
+    ):
         return torch.matmul(x, tiled).permute(1, 0, 2).reshape(m, t * w)  # (T, M, 32) -> (M, N)
-    x = x.contiguous()
-    y = torch.empty(m, t * w, dtype=x.dtype)
-    assert fn is not None
+    if not x.is_contiguous():
+        x = x.contiguous()
+    y = torch.empty(m, t * w)
     fn(x.data_ptr(), tiled.data_ptr(), y.data_ptr(), m, k, t * w, torch.get_num_threads())
     return y
