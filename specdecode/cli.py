@@ -70,7 +70,16 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (options of other methods are an error)")
     g.add_argument(
         "--method",
-        choices=["none", "draft_model", "prompt_lookup", "lookahead", "medusa", "redrafter"],
+        choices=[
+            "none",
+            "draft_model",
+            "prompt_lookup",
+            "lookahead",
+            "medusa",
+            "redrafter",
+            "eagle",
+            "eagle2",
+        ],
         default=None,
     )
     g.add_argument("--draft-model", default=None, help="draft_model / prompt_lookup: the draft model")
@@ -96,14 +105,25 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--posterior-alpha", type=float, default=None, help="medusa: typical acceptance delta")
     g.add_argument(
-        "--head", default=None, help="redrafter: drafter directory (default: the one shipped for the model)"
+        "--head",
+        default=None,
+        help="redrafter / eagle / eagle2: head directory (default: the one shipped for the model)",
     )
     g.add_argument("--beam-width", type=int, default=None, help="redrafter: beams searched")
     g.add_argument("--beam-length", type=int, default=None, help="redrafter: tokens per beam, root included")
+    g.add_argument(
+        "--eagle-choices", type=_choices_json, default=None, metavar="JSON", help="eagle: the static tree"
+    )
+    g.add_argument("--depth", type=int, default=None, help="eagle2: levels of the dynamic tree")
+    g.add_argument(
+        "--top-k-draft", type=int, default=None, dest="top_k_draft", help="eagle2: nodes expanded per level"
+    )
+    g.add_argument("--total-tokens", type=int, default=None, help="eagle2: draft nodes verified")
 
 
 MEDUSA_OPTIONS = ("heads", "medusa_choices", "typical_acceptance", "posterior_threshold", "posterior_alpha")
 BEAM_OPTIONS = ("beam_width", "beam_length")  # redrafter's own; --head is shared by one-head methods
+EAGLE2_OPTIONS = ("depth", "top_k", "total_tokens")  # --top-k-draft: --top-k is sampling's
 
 
 def speculative_settings(args: argparse.Namespace) -> dict[str, object] | None:
@@ -118,9 +138,14 @@ def speculative_settings(args: argparse.Namespace) -> dict[str, object] | None:
         *MEDUSA_OPTIONS,
         "head",
         *BEAM_OPTIONS,
+        "eagle_choices",
+        "depth",
+        "total_tokens",
     ):
         if getattr(args, name) is not None:
             spec[name] = getattr(args, name)
+    if getattr(args, "top_k_draft", None) is not None:
+        spec["top_k"] = args.top_k_draft
     if args.lookahead is not None:
         spec["window_size"], spec["ngram_size"], spec["verification_set_size"] = args.lookahead
     method = args.method
@@ -131,6 +156,10 @@ def speculative_settings(args: argparse.Namespace) -> dict[str, object] | None:
             method = "medusa"
         elif any(name in spec for name in BEAM_OPTIONS):
             method = "redrafter"
+        elif "eagle_choices" in spec:
+            method = "eagle"
+        elif any(name in spec for name in EAGLE2_OPTIONS):
+            method = "eagle2"
     if method is None and not spec:
         return None
     return {"method": method, **spec}
@@ -269,6 +298,12 @@ def cmd_train_redrafter(args: argparse.Namespace) -> None:
     main_args(args)
 
 
+def cmd_train_eagle(args: argparse.Namespace) -> None:
+    from specdecode.train.eagle import main_args
+
+    main_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -341,6 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_redrafter_args(redrafter)
     redrafter.set_defaults(func=cmd_train_redrafter)
+    eagle = tsub.add_parser("eagle", help="an EAGLE head (Li et al. 2024) from ShareGPT conversations")
+    from specdecode.train.eagle import add_args as add_eagle_args
+
+    add_eagle_args(eagle)
+    eagle.set_defaults(func=cmd_train_eagle)
     return parser
 
 

@@ -25,6 +25,8 @@ from specdecode.outputs import RequestOutput
 from specdecode.sampling import SamplingParams
 from specdecode.spec_config import (
     DraftModelConfig,
+    Eagle2Config,
+    EagleConfig,
     LookaheadConfig,
     MedusaConfig,
     PromptLookupConfig,
@@ -34,6 +36,7 @@ from specdecode.spec_config import (
 )
 
 if TYPE_CHECKING:
+    from specdecode.drafters.eagle import EagleHead
     from specdecode.drafters.medusa import MedusaHeads
     from specdecode.drafters.redrafter import ReDrafterHead
 
@@ -145,6 +148,7 @@ class LLM:
         self._draft_models: dict[str, Transformer] = {}
         self._medusa_heads: dict[str, MedusaHeads] = {}
         self._redrafter_heads: dict[str, ReDrafterHead] = {}
+        self._eagle_heads: dict[str, EagleHead] = {}
         if self.speculative is not None:
             self._drafter(self.speculative)  # load a draft model now and fail early on bad settings
 
@@ -199,6 +203,18 @@ class LLM:
             self._redrafter_heads[where] = head
         return self._redrafter_heads[where]
 
+    def eagle_head(self, path: str | None) -> EagleHead:
+        """An EAGLE head from `path` (None: the one shipped for this model), loaded once and
+        checked to fit the target's hidden size and vocabulary."""
+        from specdecode.drafters.eagle import check_fits, load_head, shipped_head
+
+        where = str(shipped_head(self.model_name) if path is None else Path(path).expanduser().resolve())
+        if where not in self._eagle_heads:
+            head = load_head(where, self.model.dtype, self.model.device)
+            check_fits(head, self.model, f"the EAGLE head {where}")
+            self._eagle_heads[where] = head
+        return self._eagle_heads[where]
+
     def _drafter(self, spec: SpecConfig | None) -> Drafter | None:
         """A fresh drafter for one request (drafters keep per-request state)."""
         vocab = self.model.config.vocab_size
@@ -228,6 +244,15 @@ class LLM:
             from specdecode.drafters.redrafter import ReDrafter
 
             return ReDrafter(self.redrafter_head(spec.head), self.model, spec.beam_width, spec.beam_length)
+        if isinstance(spec, EagleConfig):
+            from specdecode.drafters.eagle import EagleDrafter
+
+            return EagleDrafter.static(self.eagle_head(spec.head), self.model, spec.eagle_choices)
+        if isinstance(spec, Eagle2Config):
+            from specdecode.drafters.eagle import EagleDrafter
+
+            head = self.eagle_head(spec.head)
+            return EagleDrafter.dynamic(head, self.model, spec.depth, spec.top_k, spec.total_tokens)
         raise AssertionError(f"no drafter for {spec!r}")
 
     # ---- prompts -------------------------------------------------------------------------------

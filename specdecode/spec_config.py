@@ -204,10 +204,81 @@ class ReDrafterConfig:
             )
 
 
-SpecConfig = DraftModelConfig | PromptLookupConfig | LookaheadConfig | MedusaConfig | ReDrafterConfig
+@dataclass(frozen=True)
+class EagleConfig:
+    """EAGLE-1: a one-layer head extrapolating the target's features drafts a static tree.
+
+    `head`: an EAGLE head directory (specdecode's layout or the EAGLE reference's); None = the
+    head shipped for the target model. `eagle_choices`: the tree as paths of top-k ranks, in the
+    medusa_choices format (all candidates or leaf paths only); None = the tree fitted to the
+    head at training time, else a default.
+    """
+
+    method: ClassVar[str] = "eagle"
+    head: str | None = None
+    eagle_choices: tuple[tuple[int, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        _head_path(self.method, self.head)
+        if self.eagle_choices is not None:
+            choices = self.eagle_choices
+            if not isinstance(choices, list | tuple) or not all(isinstance(c, list | tuple) for c in choices):
+                raise SpecDecodeError(
+                    f"eagle: eagle_choices must be a list of lists of top-k ranks, got {choices!r}"
+                )
+            from specdecode.tree import from_choices
+
+            from_choices(choices)  # empty paths, negative or non-integer ranks
+            object.__setattr__(self, "eagle_choices", tuple(tuple(c) for c in choices))
+
+
+@dataclass(frozen=True)
+class Eagle2Config:
+    """EAGLE-2: the EAGLE head grows a dynamic tree by draft confidence.
+
+    `depth` levels; at each, the `top_k` nodes of highest cumulative draft probability are
+    expanded into `top_k` candidates each; then the `total_tokens` nodes of highest cumulative
+    probability are verified. The defaults (5, 8, 24) suit SmolLM2-135M on a CPU.
+    """
+
+    method: ClassVar[str] = "eagle2"
+    head: str | None = None
+    depth: int = 5
+    top_k: int = 8
+    total_tokens: int = 24
+
+    def __post_init__(self) -> None:
+        _head_path(self.method, self.head)
+        _positive(self.method, "depth", self.depth)
+        _positive(self.method, "top_k", self.top_k)
+        _positive(self.method, "total_tokens", self.total_tokens)
+
+
+def _head_path(method: str, head: object) -> None:
+    if head is not None and (not isinstance(head, str) or not head):
+        raise SpecDecodeError(f"{method}: head must be a path to a head directory")
+
+
+SpecConfig = (
+    DraftModelConfig
+    | PromptLookupConfig
+    | LookaheadConfig
+    | MedusaConfig
+    | ReDrafterConfig
+    | EagleConfig
+    | Eagle2Config
+)
 METHODS: dict[str, type[SpecConfig]] = {
     cls.method: cls
-    for cls in (DraftModelConfig, PromptLookupConfig, LookaheadConfig, MedusaConfig, ReDrafterConfig)
+    for cls in (
+        DraftModelConfig,
+        PromptLookupConfig,
+        LookaheadConfig,
+        MedusaConfig,
+        ReDrafterConfig,
+        EagleConfig,
+        Eagle2Config,
+    )
 }
 ALIASES = {"max_draft_len": "num_draft_tokens"}
 

@@ -26,6 +26,7 @@ from specdecode.llm import LLM
 from specdecode.sampling import SamplingParams
 from specdecode.spec_config import (
     DraftModelConfig,
+    Eagle2Config,
     LookaheadConfig,
     PromptLookupConfig,
     ReDrafterConfig,
@@ -124,6 +125,8 @@ def label_of(spec: SpecConfig | None) -> str:
         return f"lookahead[{spec.window_size},{spec.ngram_size},{spec.verification_set_size}]"
     if isinstance(spec, ReDrafterConfig):
         return f"redrafter[w={spec.beam_width},l={spec.beam_length}]"
+    if isinstance(spec, Eagle2Config):
+        return f"eagle2[d={spec.depth},k={spec.top_k},t={spec.total_tokens}]"
     return spec.method
 
 

@@ -1,0 +1,637 @@
+"""EAGLE: a one-layer draft head that extrapolates the target's features, drafting trees.
+
+Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty" (EAGLE-1,
+static tree) and "EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees".
+
+Features: f_t is the target's final hidden state at position t (after the final norm; the row
+whose LM-head output is the token at t+1). The head reads *pairs* (token x_{t+1}, feature f_t),
+whose embedding and feature are concatenated and projected (fc, 2C -> C), runs one decoder
+layer (attention over the earlier pairs, in its own 1-layer KV cache, at position t), and
+outputs a guess of f_{t+1}; the target's frozen LM head turns it into a distribution over
+x_{t+2}. The token fed with a feature resolves the uncertainty of which token was sampled from
+it, which is why EAGLE drafts better than heads that see features only (Medusa).
+
+Worked example, tokens x_0..x_n with root x_n (decided, not yet run by the target), features
+f_0..f_{n-1} known: the head's cache holds pairs 0..n-1, the last being (x_n, f_{n-1}); its
+output there, g_n, guesses f_n, and LM(g_n) proposes depth-1 tokens y. Depth 2: pairs
+(y, g_n) at position n, one per depth-1 node, each attending to the cache and its own
+ancestors' pairs (tree attention), give g_{n+1|y} and LM of it proposes y's children; and so
+on, one head forward per depth over all nodes of that depth. After verification the target's
+features of the root and the accepted path (rows of `StepResult.hidden`) replace the guesses:
+the tree's pairs are dropped (rollback) and the m+1 new pairs (a_1, f_n), ..., (bonus, f_{n+m})
+are appended in one forward; nothing earlier is re-run.
+
+Trees (both lossless, the verifier decides; see `EagleDrafter`):
+- EAGLE-1: a static tree `eagle_choices` (the medusa_choices format, `tree.from_choices`): the
+  node at path (r_1, ..., r_d) holds the r_d-th candidate under its parent.
+- EAGLE-2: grown by confidence: `depth` levels; at each, the `top_k` frontier nodes of highest
+  cumulative draft probability are expanded into `top_k` children each; then the `total_tokens`
+  nodes of highest cumulative probability are verified (ancestors of a kept node are kept).
+
+Checkpoints are directories in one of two layouts:
+- specdecode's: `eagle.safetensors` + `config.json` (`method` "eagle", `hidden_size`,
+  `vocab_size`, `target`, the layer's shape, `fc_bias`, `input_norm`, optionally the fitted
+  `eagle_choices`). The embedding and LM head are the target's, never stored.
+- the EAGLE reference's: `pytorch_model.bin` or `model.safetensors` holding `fc.weight`
+  (+ `fc.bias`), `layers.0.self_attn.{q,k,v,o}_proj.weight` (+ q/k/v biases for Qwen2),
+  `layers.0.mlp.{gate,up,down}_proj.weight`, `layers.0.post_attention_layernorm.weight` and
+  sometimes `embed_tokens.weight` (a copy of the target's, ignored), next to a Llama-style
+  `config.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdecode.attention import AttentionPlan, Segment
+from specdecode.drafters.base import Drafter, Proposal, StepResult
+from specdecode.errors import SpecDecodeError
+from specdecode.kv_cache import KVCache
+from specdecode.models.config import ModelConfig
+from specdecode.models.transformer import Block, Dense, Rotary, Transformer
+from specdecode.sampling import SamplingParams, logits_to_probs
+from specdecode.tree import DraftTree, from_choices
+
+if TYPE_CHECKING:
+    from specdecode.engine import Request
+
+WEIGHTS = "eagle.safetensors"
+CONFIG = "config.json"
+REFERENCE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+SHIPPED = Path(__file__).resolve().parents[1] / "heads"
+# EAGLE-2 defaults for a small target on a CPU, where a forward over 16 tokens costs ~2.3x one
+# over a single token: a tree of ~16-24 nodes (see specdecode/heads/README.md for the figures).
+DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS = 5, 8, 24
+LAYER_KEYS = (
+    "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings",
+    "rms_norm_eps", "rope_theta", "rope_scaling", "attention_bias",
+)  # fmt: skip
+
+
+class EagleHead(nn.Module):
+    """fc over [embedding of x_{t+1}, f_t] (2C -> C), then one decoder layer (the model's own
+    `Block`); outputs the guess of f_{t+1}. The embedding and LM head are the target's, passed in.
+
+    `layer` is the shape of the layer as a 1-layer `ModelConfig` (its `vocab_size` names the
+    target's vocabulary, which the head drafts from). `input_norm` False: EAGLE-1's layer has no
+    norm before attention. `choices`: the static tree fitted at training time, if any.
+    """
+
+    def __init__(
+        self,
+        layer: ModelConfig,
+        fc_bias: bool = True,
+        input_norm: bool = False,
+        choices: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        super().__init__()
+        self.layer_config = dataclasses.replace(layer, num_layers=1)
+        self.hidden_size, self.vocab_size = layer.hidden_size, layer.vocab_size
+        self.fc_bias, self.input_norm = fc_bias, input_norm
+        self.choices = None if choices is None else [list(c) for c in choices]
+        self.fc = Dense(2 * layer.hidden_size, layer.hidden_size, bias=fc_bias)
+        self.layer = Block(self.layer_config, 0, input_norm=input_norm)
+        self.rotary = Rotary(self.layer_config)
+
+    @classmethod
+    def for_target(cls, target: ModelConfig) -> EagleHead:
+        """A fresh head shaped like one layer of `target` (what training starts from)."""
+        return cls(dataclasses.replace(target, num_layers=1))
+
+    def new_cache(self, max_len: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
+        return KVCache(self.layer_config, max_len, 1, dtype, device)
+
+    def forward(
+        self,
+        embeds: Tensor,  # (B, T, C) target embeddings of x_{t+1}
+        features: Tensor,  # (B, T, C) f_t (target features or the head's own guesses)
+        positions: Tensor,  # (B, T) long: t
+        plan: AttentionPlan,
+    ) -> Tensor:
+        """Guesses of f_{t+1}, (B, T, C); appends the pairs' keys/values to the plan's cache."""
+        x = self.fc(torch.cat([embeds, features], dim=-1))
+        cos, sin = self.rotary(positions, x.dtype)
+        out = self.layer(x, cos, sin, plan)
+        plan.commit()
+        return out
+
+    def run(
+        self,
+        cache: KVCache,
+        embeds: Tensor,  # (T, C)
+        features: Tensor,  # (T, C)
+        positions: Tensor,  # (T,) long
+        mask: Tensor | None = None,  # (T, cache.length + T) bool; None = causal chain
+    ) -> Tensor:
+        """One sequence's pairs over `cache` -> (T, C) guesses (the drafter's forward)."""
+        plan = AttentionPlan([Segment.append(cache, embeds.shape[0], mask)])
+        return self(embeds[None], features[None], positions[None], plan)[0]
+
+    def config(self) -> dict[str, Any]:
+        layer = self.layer_config
+        return {
+            "method": "eagle",
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "arch": layer.arch,
+            **{k: getattr(layer, k) for k in LAYER_KEYS},
+            "fc_bias": self.fc_bias,
+            "input_norm": self.input_norm,
+        }
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def save_head(
+    head: EagleHead,
+    out: str | Path,
+    target: str,
+    dtype: torch.dtype = torch.float16,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write `head` in specdecode's layout to the directory `out`; weights stored as `dtype`."""
+    from safetensors.torch import save_file
+
+    from specdecode.models.cache import atomic_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {n: t.detach().to("cpu", dtype).contiguous() for n, t in head.state_dict().items()}
+    with atomic_file(out / WEIGHTS) as tmp:
+        save_file(tensors, str(tmp))
+    config = {**head.config(), "target": target, "dtype": str(dtype).removeprefix("torch.")}
+    if head.choices is not None:
+        config["eagle_choices"] = head.choices
+    config.update(extra or {})
+    # One key per line, each value on its line: a fitted tree stays readable.
+    text = "{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in config.items()) + "\n}\n"
+    with atomic_file(out / CONFIG) as tmp:
+        tmp.write_text(text)
+    return out
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    file = path / CONFIG
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpecDecodeError(f"{file} is not valid JSON ({exc})") from None
+    return config if isinstance(config, dict) else {}
+
+
+def _read_tensors(file: Path) -> dict[str, Tensor]:
+    try:
+        if file.suffix == ".bin":
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        else:
+            from safetensors.torch import load_file
+
+            state = load_file(str(file))
+    except Exception as exc:  # safetensors and torch.load raise many types for a damaged file
+        raise SpecDecodeError(f"cannot read EAGLE weights {file}: {exc}") from None
+    if not isinstance(state, dict):
+        raise SpecDecodeError(f"{file} does not hold a state dict")
+    return state
+
+
+def _load_state(head: EagleHead, state: dict[str, Tensor], source: Path) -> None:
+    expected = {k: v for k, v in head.state_dict().items()}
+    missing = sorted(expected.keys() - state.keys())
+    if missing:
+        raise SpecDecodeError(f"{source} is missing EAGLE weights, e.g. {missing[0]!r}")
+    for name, param in expected.items():
+        if state[name].shape != param.shape:
+            raise SpecDecodeError(
+                f"{source}: weight {name} has shape {tuple(state[name].shape)}, expected {tuple(param.shape)}"
+            )
+    head.load_state_dict({name: state[name] for name in expected})
+
+
+def _load_ours(path: Path, config: dict[str, Any]) -> EagleHead:
+    try:
+        layer = ModelConfig(
+            arch=config.get("arch", "llama"),
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=int(config["hidden_size"]),
+            num_layers=1,
+            **{k: config[k] for k in LAYER_KEYS},
+        )
+        head = EagleHead(
+            layer, bool(config["fc_bias"]), bool(config["input_norm"]), config.get("eagle_choices")
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SpecDecodeError(f"{path / CONFIG} is not a specdecode EAGLE config ({exc!r})") from None
+    _load_state(head, _read_tensors(path / WEIGHTS), path / WEIGHTS)
+    return head
+
+
+def _load_reference(file: Path, config: dict[str, Any]) -> EagleHead:
+    """The EAGLE reference layout: a Llama/Qwen2 decoder layer named as in Hugging Face files
+    (q/k/v and gate/up separate, (out, in) matrices) under `layers.0.`, and `fc`."""
+    state = _read_tensors(file)
+    if "fc.weight" not in state or "layers.0.self_attn.q_proj.weight" not in state:
+        raise SpecDecodeError(f"{file} is not an EAGLE checkpoint: no fc.weight / layers.0 weights")
+    hf = dict(config)
+    hf.setdefault("model_type", "llama")
+    hf["num_hidden_layers"] = 1
+    if "layers.0.self_attn.q_proj.bias" in state:
+        hf["attention_bias"] = True
+    try:
+        layer = ModelConfig.from_hf(hf)
+    except KeyError as exc:
+        raise SpecDecodeError(f"{file.parent / CONFIG} lacks {exc} (a Llama-style config)") from None
+    fc_bias = "fc.bias" in state
+    head = EagleHead(layer, fc_bias=fc_bias, input_norm="layers.0.input_layernorm.weight" in state)
+    p, a = "layers.0.", "layers.0.self_attn."
+
+    def take(name: str) -> Tensor:
+        if name not in state:
+            raise SpecDecodeError(f"{file} is missing EAGLE weight {name!r}")
+        return state[name]
+
+    ours = {
+        "fc.weight_t": take("fc.weight").t(),
+        "layer.qkv.weight_t": torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]).t(),
+        "layer.o.weight_t": take(a + "o_proj.weight").t(),
+        "layer.mlp_norm.weight": take(p + "post_attention_layernorm.weight"),
+        "layer.gate_up.weight_t": torch.cat(
+            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+        ).t(),
+        "layer.down.weight_t": take(p + "mlp.down_proj.weight").t(),
+    }
+    if fc_bias:
+        ours["fc.bias"] = state["fc.bias"]
+    if layer.attention_bias:
+        ours["layer.qkv.bias"] = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
+    if head.input_norm:
+        ours["layer.attn_norm.weight"] = state[p + "input_layernorm.weight"]
+    _load_state(head, ours, file)
+    return head
+
+
+def load_head(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> EagleHead:
+    """An EAGLE head from a directory in either layout (see the module docstring)."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise SpecDecodeError(f"EAGLE head {root}: no such directory")
+    config = _read_config(root)
+    if (root / WEIGHTS).is_file():
+        if config.get("method") != "eagle":
+            raise SpecDecodeError(f"{root / CONFIG} is missing or not an EAGLE config (method != 'eagle')")
+        head = _load_ours(root, config)
+    else:
+        found = [root / name for name in REFERENCE_WEIGHTS if (root / name).is_file()]
+        if not found:
+            raise SpecDecodeError(
+                f"no EAGLE head in {root}: expected {WEIGHTS} + {CONFIG} (specdecode) or "
+                f"{' / '.join(REFERENCE_WEIGHTS)} + {CONFIG} (EAGLE reference)"
+            )
+        head = _load_reference(found[0], config)
+    return head.to(device=device, dtype=dtype).eval()
+
+
+def shipped_head(model_name: str) -> Path:
+    """The EAGLE head directory shipped for the model `model_name` (a short name), or a clear error."""
+    path = SHIPPED / model_name / "eagle"
+    if (path / WEIGHTS).is_file():
+        return path
+    have = sorted(p.parent.name for p in SHIPPED.glob("*/eagle") if (p / WEIGHTS).is_file())
+    raise SpecDecodeError(
+        f"no EAGLE head ships for model {model_name!r} (shipped for: {', '.join(have) or 'none'}); "
+        f"train one with `specdecode train eagle --model {model_name} --data FILE --out DIR` "
+        "and pass head=DIR"
+    )
+
+
+def check_fits(head: EagleHead, target: Transformer, source: str = "the EAGLE head") -> None:
+    """The head reads the target's features and embeddings and drafts its token ids."""
+    cfg = target.config
+    if head.hidden_size != cfg.hidden_size or head.vocab_size != cfg.vocab_size:
+        raise SpecDecodeError(
+            f"{source} was trained for another target: hidden size {head.hidden_size}, vocabulary "
+            f"{head.vocab_size}; this target has hidden size {cfg.hidden_size}, vocabulary {cfg.vocab_size}"
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# Trees
+
+
+def default_choices(num_nodes: int = 24, depth: int = 5) -> list[list[int]]:
+    """A static tree for a head that comes without a fitted one: Medusa's `best_tree` under
+    assumed accuracies (top-1 right 70% of the time at every depth, each further rank half as
+    often as the one before; a trained head's measured figures replace this)."""
+    from specdecode.drafters.medusa import best_tree
+
+    return best_tree([[0.7 * 0.5**r for r in range(10)] for _ in range(depth)], num_nodes)
+
+
+def check_choices(choices: Sequence[Sequence[int]], vocab_size: int) -> None:
+    """Structure (non-empty paths of non-negative ranks, `from_choices`) and ranks < V."""
+    from_choices(choices)
+    wide = [list(c) for c in choices if max(c) >= vocab_size]
+    if wide:
+        raise SpecDecodeError(
+            f"eagle_choices path {wide[0]} asks for top-k rank {max(wide[0])}, beyond the "
+            f"vocabulary of {vocab_size} tokens"
+        )
+
+
+@dataclass
+class _Node:
+    """A draft node while the tree grows (index i in `_Growth.nodes` is node i+1 of the tree
+    before selection; parent -1 is the root)."""
+
+    token: int
+    parent: int
+    depth: int
+    rank: int  # among its parent's candidates, 0 = drawn first
+    score: float  # cumulative log draft probability of its slot (see `_Growth.children`)
+    q: Tensor | None  # (V,) the distribution its token was drawn from (sampling only)
+    slot: int | None = None  # its pair's slot in the head cache, once expanded
+
+
+class _Growth:
+    """One step's tree under construction: candidates, expansion by head forwards, selection.
+
+    Candidates of a parent with draft distribution q (the head's softmax, or for sampled
+    requests the same temperature/top-k/top-p processing as the target's) are its top-k tokens
+    (greedy) or k tokens drawn from q without replacement (sampling; Gumbel top-k, in draw
+    order). A slot's score is log of the rank-th largest q value: for greedy exactly the
+    token's probability; for sampling a stand-in that does not depend on which token was drawn,
+    so which nodes are kept never depends on a node's own token, and the verifier's induction
+    over siblings holds (see `EagleDrafter`). Sibling j's declared distribution is q without
+    the j earlier siblings' tokens, renormalised: what it was drawn from, given them.
+    """
+
+    def __init__(self, drafter: EagleDrafter, req: Request) -> None:
+        self.drafter = drafter
+        self.head = drafter.head
+        self.params: SamplingParams = req.params
+        self.generator = req.generator
+        self.nodes: list[_Node] = []
+        self.committed = drafter.cache.length  # n: pairs of the decided tokens
+        assert drafter.last is not None
+        self.guess: dict[int, Tensor] = {-1: drafter.last}  # node -> its head output (C,)
+
+    def root_distribution(self) -> Tensor:
+        """(V,) the draft distribution of depth 1, from the head's output at the last decided pair."""
+        assert self.drafter.last is not None
+        return self.distributions(self.drafter.last[None])[0]
+
+    def distributions(self, guesses: Tensor) -> Tensor:
+        """(R, C) head outputs -> (R, V) draft distributions."""
+        logits = self.drafter.draft_logits(guesses)  # (R, V)
+        if self.params.greedy:
+            return logits.softmax(-1)
+        return logits_to_probs(logits, self.params)
+
+    def children(self, parents: list[int], q: Tensor, k: int) -> list[list[int]]:
+        """Add up to k candidates under each parent (rows of q (R, V)); their node indices."""
+        values, top = q.topk(k, dim=-1)  # (R, k) each, descending
+        if self.params.greedy:
+            tokens = top
+        else:
+            u = torch.rand(q.shape, generator=self.generator, device=q.device).clamp_(1e-20, 1.0)
+            gumbel = q.log() - (-u.log()).log()  # (R, V); -inf outside q's support
+            tokens = gumbel.topk(k, dim=-1).indices  # (R, k): k draws without replacement, in order
+        logv = values.clamp(min=0).log().tolist()
+        out: list[list[int]] = []
+        for row, parent in enumerate(parents):
+            base = 0.0 if parent < 0 else self.nodes[parent].score
+            depth = 1 if parent < 0 else self.nodes[parent].depth + 1
+            made: list[int] = []
+            remaining = None if self.params.greedy else q[row].clone()
+            for r in range(k):
+                if logv[row][r] == float("-inf"):
+                    break  # fewer than k tokens have mass
+                token = int(tokens[row, r])
+                cond = None
+                if remaining is not None:
+                    cond = remaining / remaining.sum()
+                    remaining[token] = 0.0
+                self.nodes.append(_Node(token, parent, depth, r, base + logv[row][r], cond))
+                made.append(len(self.nodes) - 1)
+            out.append(made)
+        return out
+
+    def expand(self, nodes: list[int]) -> Tensor:
+        """Run the head on `nodes` (all of one depth) over the cache and their ancestors' pairs;
+        returns their draft distributions (R, V)."""
+        cache = self.drafter.cache
+        start = cache.length
+        for i, node in enumerate(nodes):
+            self.nodes[node].slot = start + i
+        device = cache.k.device
+        mask = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool, device=device)
+        mask[:, : self.committed] = True
+        for i, node in enumerate(nodes):
+            walk = node
+            while walk >= 0:
+                slot = self.nodes[walk].slot
+                if slot is not None:
+                    mask[i, slot] = True
+                walk = self.nodes[walk].parent
+        tokens = torch.tensor([self.nodes[n].token for n in nodes], device=device)
+        feats = torch.stack([self.guess[self.nodes[n].parent] for n in nodes])  # (R, C)
+        depth = self.nodes[nodes[0]].depth
+        positions = torch.full((len(nodes),), self.committed + depth - 1, device=device)
+        out = self.head.run(cache, self.drafter.embed(tokens), feats, positions, mask)  # (R, C)
+        for i, node in enumerate(nodes):
+            self.guess[node] = out[i]
+        return self.distributions(out)
+
+    def tree(self, keep: list[int]) -> DraftTree:
+        """The kept nodes (a prefix-closed set) as a DraftTree, by depth, siblings in rank order."""
+        order = sorted(keep, key=lambda i: (self.nodes[i].depth, i))
+        index = {node: k + 1 for k, node in enumerate(order)}
+        device = self.drafter.cache.k.device
+        tokens = torch.tensor([self.nodes[i].token for i in order], dtype=torch.long, device=device)
+        parents = torch.tensor(
+            [index[self.nodes[i].parent] if self.nodes[i].parent >= 0 else 0 for i in order],
+            dtype=torch.long,
+            device=device,
+        )
+        probs = None
+        if not self.params.greedy and order:
+            probs = torch.stack([self.nodes[i].q for i in order]).float()  # type: ignore[misc]
+        return DraftTree(tokens, parents, probs)
+
+
+class EagleDrafter(Drafter):
+    """Drafts a tree with an EAGLE head; made per request.
+
+    `EagleDrafter.static(head, target, choices)`: EAGLE-1 with `eagle_choices` (None: the
+    head's fitted tree, else `default_choices`). `EagleDrafter.dynamic(head, target, depth,
+    top_k, total_tokens)`: EAGLE-2.
+
+    Lossless: greedy requests draft top-k tokens and the greedy verifier decides. Sampled
+    requests draw candidates from the draft distribution processed like the target's, without
+    replacement, and declare each node's conditional distribution (`DraftTree.draft_probs`), so
+    `verify_sampling`'s multi-round speculative sampling keeps the target distribution. That
+    needs each sibling's token distributed as declared given everything decided before it is
+    tried; which nodes exist may depend on ancestors and earlier siblings but never on the node's
+    own token: node scores come from sorted q values, not from the drawn tokens (`_Growth`).
+    """
+
+    def __init__(
+        self,
+        head: EagleHead,
+        target: Transformer,
+        choices: Sequence[Sequence[int]] | None = None,
+        grow: tuple[int, int, int] | None = None,
+    ) -> None:
+        check_fits(head, target)
+        self.head, self.target = head, target
+        self.embed = target.embed
+        self.grow = grow  # EAGLE-2's (depth, top_k, total_tokens); None: the static tree
+        self.paths: tuple[tuple[int, ...], ...] = ()
+        if grow is None:
+            if choices is None:
+                choices = head.choices if head.choices is not None else default_choices()
+            check_choices(choices, head.vocab_size)
+            self.paths = from_choices(choices).choices
+            self.max_nodes = max(len(self.paths), 1)
+            self.tree_slots = len(self.paths)  # pairs a step's tree may add to the head cache
+        else:
+            if min(grow) < 1:
+                raise SpecDecodeError(f"eagle2: depth, top_k and total_tokens must be >= 1, got {grow}")
+            self.max_nodes = grow[2]
+            self.tree_slots = grow[1] * (grow[0] - 1)
+        self.cache: KVCache = head.new_cache(1, target.dtype, target.device)
+        self.last: Tensor | None = None  # (C,) head output at the last decided pair: guesses f_n
+
+    @classmethod
+    def static(
+        cls, head: EagleHead, target: Transformer, choices: Sequence[Sequence[int]] | None = None
+    ) -> EagleDrafter:
+        return cls(head, target, choices)
+
+    @classmethod
+    def dynamic(
+        cls,
+        head: EagleHead,
+        target: Transformer,
+        depth: int = DEFAULT_DEPTH,
+        top_k: int = DEFAULT_TOP_K,
+        total_tokens: int = DEFAULT_TOTAL_TOKENS,
+    ) -> EagleDrafter:
+        return cls(head, target, grow=(depth, top_k, total_tokens))
+
+    def draft_logits(self, guesses: Tensor) -> Tensor:
+        """(R, C) -> (R, V) float32 logits of the target's LM head. On CPU in float32 through a
+        bfloat16 copy (the target's, cached): a draft needs plausible, not exact, logits, and
+        what is declared to the verifier is computed from these very logits."""
+        if self.target.dtype == torch.float32 and guesses.device.type == "cpu":
+            weight = self.target._screening_head()[0]  # (V, C) bfloat16
+            return F.linear(guesses.to(weight.dtype), weight).float()
+        return self.target.logits(guesses)
+
+    # ---- the decided pairs: the head cache holds exactly these between steps -------------------
+
+    def _commit(self, tokens: list[int], features: Tensor) -> None:
+        """Append the pairs (tokens[i], features[i]) (features (T, C)); keep the last output."""
+        device = self.target.device
+        ids = torch.tensor(tokens, device=device)
+        start = self.cache.length
+        for s in range(0, len(tokens), 512):  # bounded attention scores for long prompts
+            e = min(s + 512, len(tokens))
+            positions = torch.arange(start + s, start + e, device=device)
+            out = self.head.run(self.cache, self.embed(ids[s:e]), features[s:e], positions)  # (T, C)
+            self.last = out[-1]
+
+    def begin(self, req: Request, prompt_hidden: Tensor | None) -> None:
+        """Pairs (x_{t+1}, f_t) of the prompt: `prompt_hidden` (P-1, C) is every row but the root's."""
+        size = req.max_len + self.tree_slots
+        self.cache = self.head.new_cache(size, self.target.dtype, self.target.device)
+        self.last = None
+        if prompt_hidden is not None and prompt_hidden.shape[0] > 0:
+            self._commit(req.prompt_ids[1 : 1 + prompt_hidden.shape[0]], prompt_hidden)
+
+    def observe(self, req: Request, result: StepResult) -> None:
+        """Append (a_1, f_n), ..., (a_m, f_{n+m-1}), (bonus, f_{n+m}): the target's features of
+        the root and the accepted path, with the tokens that followed each."""
+        rows = [0, *result.verdict.accepted_nodes]
+        self._commit(result.verdict.tokens, result.hidden[rows])
+
+    # ---- drafting ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(self, req: Request) -> Proposal:
+        room = req.max_len - len(req.all_ids)  # draft nodes the request's cache still holds
+        if room <= 0:
+            return Proposal(DraftTree.empty())
+        if self.last is None:
+            # A one-token prompt has no feature yet: a one-node guess (the root repeated) makes
+            # the engine run a speculative step, which reports the features drafting needs.
+            return Proposal(DraftTree.chain([req.root]))
+        decided = self.cache.length
+        growth = _Growth(self, req)
+        try:
+            keep = self._grow_static(growth, room) if self.grow is None else self._grow_dynamic(growth, room)
+        finally:
+            self.cache.truncate(decided)  # the tree's pairs are guesses: forget them
+        keep = sorted(keep, key=lambda i: (growth.nodes[i].depth, i))[:room]  # a prefix is a tree
+        return Proposal(growth.tree(keep))
+
+    def _grow_static(self, growth: _Growth, room: int) -> list[int]:
+        """EAGLE-1: the declared paths level by level, one head forward per depth over the nodes
+        that have children. A path whose rank its (sampled) parent cannot fill is dropped, and
+        so is one deeper than the request has room for."""
+        paths = {p for p in self.paths if len(p) <= room}
+        width: dict[tuple[int, ...], int] = {}  # parent path -> candidates it needs
+        for path in paths:
+            width[path[:-1]] = max(width.get(path[:-1], 0), path[-1] + 1)
+        found: dict[tuple[int, ...], int] = {(): -1}
+        frontier: dict[tuple[int, ...], Tensor] = {(): growth.root_distribution()}  # path -> (V,)
+        while frontier:
+            parents = list(frontier)
+            made = growth.children(
+                [found[p] for p in parents],
+                torch.stack(list(frontier.values())),
+                max(width[p] for p in parents),
+            )
+            grown: list[tuple[int, ...]] = []
+            for parent, nodes in zip(parents, made, strict=True):
+                for node in nodes:
+                    path = (*parent, growth.nodes[node].rank)
+                    if path in paths:
+                        found[path] = node
+                        if path in width:
+                            grown.append(path)
+            rows = growth.expand([found[p] for p in grown]) if grown else None  # (R, V)
+            frontier = {p: rows[i] for i, p in enumerate(grown)} if rows is not None else {}
+        return [node for path, node in found.items() if path]
+
+    def _grow_dynamic(self, growth: _Growth, room: int) -> list[int]:
+        """EAGLE-2: expand the top_k nodes of each depth by cumulative score (top_k candidates
+        each), then keep the total_tokens best nodes overall. A node scores at most its parent
+        and ties rank the shallower first, so the kept set holds every kept node's ancestors."""
+        assert self.grow is not None
+        depth, top_k, total = self.grow
+        depth = min(depth, room)
+        nodes = growth.nodes
+        frontier = growth.children([-1], growth.root_distribution()[None], top_k)[0]
+        for _ in range(depth - 1):
+            best = sorted(frontier, key=lambda i: (-nodes[i].score, i))[:top_k]
+            if not best:
+                break
+            made = growth.children(best, growth.expand(best), top_k)
+            frontier = [i for group in made for i in group]
+        ranked = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))
+        return ranked[:total]

@@ -1,0 +1,351 @@
+"""Training an EAGLE head on a frozen target: `specdecode train eagle`.
+
+    specdecode train eagle --model smollm2-135m --data sharegpt.json --out runs/eagle --self-distill
+
+Pipeline (`pipeline.prepare`): ShareGPT conversations -> the target's features over the
+dataset's answers or, with `--self-distill`, over its own greedy answers (cached under
+OUT/cache) -> the head trained with AdamW on whole sequences -> OUT/eagle.safetensors +
+OUT/config.json with the static tree fitted to its held-out accuracy -> a report: held-out top-1
+accuracy of the drafted token per depth, and τ of real greedy EAGLE decoding on held-out prompts.
+
+Recipe (EAGLE, Sec. 4): for a sequence x_0..x_{L-1} with features f_0..f_{L-2}, the head reads
+pairs (x_{t+1}, f_t) causally and its output g_{t+1} is trained towards f_{t+1} by smooth-L1
+(feature regression, mean over channels) plus `ce_weight` (0.1) x the cross-entropy of the
+target's LM head on g_{t+1} against x_{t+2}, on positions whose x_{t+2} the assistant wrote.
+Self-distilled answers are the target's greedy tokens, so x_{t+2} is exactly the argmax of its
+LM head on f_{t+1}: the hard label stands for the target distribution EAGLE distils. The input
+features get uniform noise of width `noise` (EAGLE's U(-0.1, 0.1)): at drafting time the head
+reads its own, imperfect guesses.
+
+Cost on a CPU: the LM head (V x C, 49152 x 576 for SmolLM2) on every trained position dominates;
+matmuls run in bfloat16 (autocast; float32 master weights), as for Medusa.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specdecode.attention import AttentionPlan, Segment
+from specdecode.drafters.eagle import EagleHead, load_head, save_head
+from specdecode.drafters.medusa import best_tree
+from specdecode.errors import SpecDecodeError
+from specdecode.models.transformer import Transformer
+from specdecode.train.features import Features
+from specdecode.train.pipeline import (
+    STATE,
+    RecentMean,
+    add_common_args,
+    common_kwargs,
+    fingerprint,
+    measure_tau,
+    prepare,
+    total_steps,
+    train_loop,
+)
+
+MAX_RANK = 10  # ranks tracked for the tree fit; deeper ranks are never worth a node
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Everything a run depends on; `specdecode train eagle --help` describes each."""
+
+    data: str
+    out: str
+    model: str = "smollm2-135m"
+    max_conversations: int = 1000
+    max_len: int = 384
+    epochs: int = 10
+    lr: float = 1e-3
+    batch_size: int = 8  # sequences per step
+    self_distill: bool = False
+    resume: bool = False
+    heldout: float = 0.04
+    seed: int = 0
+    save_every: int = 50
+    dtype: str = "bfloat16"
+    device: str | None = None
+    feature_batch_size: int = 32
+    ce_weight: float = 0.1
+    noise: float = 0.2
+    tree_nodes: int = 24
+    tree_depth: int = 5
+    eval_prompts: int = 4
+    eval_tokens: int = 128
+    max_steps: int | None = None
+    progress: bool = True
+
+
+@dataclass
+class Batch:
+    """Right-padded pairs of B sequences; row t of sequence i is the pair (x_{t+1}, f_t)."""
+
+    tokens: Tensor  # (B, T) long: x_{t+1}
+    features: Tensor  # (B, T, C) float: f_t
+    next_features: Tensor  # (B, T, C) float: f_{t+1}, the regression target
+    labels: Tensor  # (B, T) long: x_{t+2}
+    trained: Tensor  # (B, T) bool: x_{t+2} written by the assistant (and not padding)
+
+
+def batch(features: Features, index: list[int], device: torch.device) -> Batch:
+    """The pairs of the sequences `index` (each of L tokens gives L-2 pairs), right-padded."""
+    picked = [i for i in index if features.ids[i].shape[0] >= 3]
+    width = max((features.ids[i].shape[0] - 2 for i in picked), default=0)
+    b, c = len(picked), features.hidden[picked[0]].shape[1] if picked else 0
+    tokens = torch.zeros(b, width, dtype=torch.long)
+    labels = torch.zeros(b, width, dtype=torch.long)
+    trained = torch.zeros(b, width, dtype=torch.bool)
+    feats = torch.zeros(b, width, c, dtype=torch.float16)
+    nexts = torch.zeros(b, width, c, dtype=torch.float16)
+    for row, i in enumerate(picked):
+        ids, mask, hidden = features.ids[i], features.mask[i], features.hidden[i]  # (L,), (L,), (L-1, C)
+        n = ids.shape[0] - 2
+        tokens[row, :n] = ids[1:-1]
+        labels[row, :n] = ids[2:]
+        trained[row, :n] = mask[2:]
+        feats[row, :n] = hidden[:-1]
+        nexts[row, :n] = hidden[1:]
+    return Batch(tokens.to(device), feats.to(device), nexts.to(device), labels.to(device), trained.to(device))
+
+
+def run_pairs(head: EagleHead, embed: torch.nn.Embedding, tokens: Tensor, features: Tensor) -> Tensor:
+    """Teacher-forced head outputs (B, T, C) over pairs (tokens (B, T), features (B, T, C))."""
+    b, t = tokens.shape
+    cache = head.new_cache(t, features.dtype, features.device)
+    cache.k = cache.k.expand(-1, b, -1, -1, -1).clone()  # one row per sequence
+    cache.v = cache.v.expand(-1, b, -1, -1, -1).clone()
+    positions = torch.arange(t, device=tokens.device)[None].expand(b, t)  # (B, T)
+    plan = AttentionPlan([Segment(cache, 0, t)])  # from slot 0: the fused causal kernel
+    return head(embed(tokens).to(features.dtype), features, positions, plan)
+
+
+def eagle_loss(
+    head: EagleHead,
+    embed: torch.nn.Embedding,
+    lm_weight: Tensor,
+    data: Batch,
+    ce_weight: float,
+    noise: float,
+    generator: torch.Generator | None = None,
+    probe: int = 128,
+) -> tuple[Tensor, float]:
+    """(loss, top-1 accuracy): smooth-L1 + ce_weight x CE on the trained positions, and how
+    often the drafted token (argmax) is right on the first `probe` of them (a full argmax over
+    V costs as much as the softmax). `lm_weight` (C, V) is frozen; the head's matmuls run in
+    its dtype (autocast to bfloat16 when it is), and so do the logits and their softmax."""
+    feats = data.features.float()
+    if noise > 0:
+        u = torch.rand(feats.shape, generator=generator, device=feats.device)
+        feats = feats + (u - 0.5) * noise
+    low = lm_weight.dtype != torch.float32
+    with torch.autocast(feats.device.type, dtype=lm_weight.dtype, enabled=low):
+        pred = run_pairs(head, embed, data.tokens, feats)  # (B, T, C)
+    keep = data.trained  # (B, T)
+    g = pred[keep].float()  # (P, C)
+    regression = F.smooth_l1_loss(g, data.next_features[keep].float())
+    logits = g.to(lm_weight.dtype) @ lm_weight  # (P, V)
+    labels = data.labels[keep]  # (P,)
+    ce = F.cross_entropy(logits, labels).float()
+    hits = (logits[:probe].detach().float().argmax(-1) == labels[:probe]).float().mean()
+    return regression + ce_weight * ce, float(hits) if labels.numel() else float("nan")
+
+
+def fit(
+    head: EagleHead,
+    target: Transformer,
+    data: Features,
+    settings: TrainSettings,
+    state_file: Any,
+    on_step: Callable[[int], None] | None = None,
+) -> dict[str, float]:
+    """Train `head` in place on the training sequences, checkpointing to `state_file`.
+
+    Returns the mean loss and top-1 accuracy of the last 50 steps. Matmuls run in the target's
+    dtype (see `eagle_loss`)."""
+    device = target.device
+    lm_weight = target.head_weight_t().detach()
+    if lm_weight.is_inference():  # made under inference_mode (a cached tied head): autograd needs a copy
+        lm_weight = lm_weight.clone()
+    embed = target.embed
+    keys = ("model", "lr", "batch_size", "seed", "dtype", "ce_weight", "noise")
+    total = total_steps(settings, len(data))
+    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
+    losses, accs = RecentMean(), RecentMean()
+
+    def step(idx: Tensor) -> dict[str, float]:
+        chunk = batch(data, idx.tolist(), device)
+        g = torch.Generator(device=device).manual_seed(int(idx[0]) * 7919 + settings.seed)
+        loss, acc = eagle_loss(head, embed, lm_weight, chunk, settings.ce_weight, settings.noise, g)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+        optimizer.step()
+        losses.add(float(loss.detach()))
+        accs.add(acc)
+        return {"loss": losses.values[-1], "acc": accs.values[-1]}
+
+    train_loop(
+        head,
+        optimizer,
+        step,
+        num_items=len(data),
+        settings=settings,
+        state_file=state_file,
+        fingerprint=fingerprint(settings, keys, sequences=len(data), total=total),
+        desc="eagle",
+        on_step=on_step,
+    )
+    return {"loss": losses.mean, "acc": accs.mean}
+
+
+@torch.no_grad()
+def depth_rank_counts(head: EagleHead, target: Transformer, data: Features, depth: int) -> Tensor:
+    """(depth, MAX_RANK + 1) counts: [d, r] positions where the right token at depth d+1 is the
+    head's r-th guess (r < MAX_RANK; [d, MAX_RANK]: lower), given the d tokens before it right.
+
+    Depth 1 is teacher-forced (true features); depth d+1 feeds the head its own guess from depth
+    d with the right token, as drafting along a correct path does. All starts t of a sequence
+    run at once: pass d writes one pair per start after the earlier passes, and start t's pair
+    sees the true pairs 0..t and its own pairs of earlier passes.
+    """
+    lm_weight = target.head_weight_t()
+    counts = torch.zeros(depth, MAX_RANK + 1, dtype=torch.long)
+    for ids, mask, hidden in zip(data.ids, data.mask, data.hidden, strict=True):
+        n = int(ids.shape[0]) - 2  # pairs (starts)
+        if n < 1:
+            continue
+        ids, mask = ids.to(target.device), mask.to(target.device)
+        feats = hidden[:-1].to(target.device, torch.float32)  # (n, C) f_t
+        cache = head.new_cache(n * depth, torch.float32, target.device)
+        start = torch.arange(n, device=target.device)  # (n,)
+        ok = torch.ones(n, dtype=torch.bool, device=target.device)  # path right so far
+        for d in range(depth):
+            tok_at = (start + 1 + d).clamp(max=ids.shape[0] - 1)  # x_{t+1+d}: the pair's token
+            label_at = start + 2 + d  # x_{t+2+d}: the token drafted at depth d+1
+            valid = label_at < ids.shape[0]
+            label_at = label_at.clamp(max=ids.shape[0] - 1)
+            ok = ok & valid & mask[label_at]
+            if d == 0:
+                mask_d = None  # causal over the true pairs
+            else:
+                true_part = start[None] <= start[:, None]  # (n, n)
+                own = torch.eye(n, dtype=torch.bool, device=target.device).repeat(1, d)  # (n, n*d)
+                mask_d = torch.cat([true_part, own], dim=1)  # (n, n*(d+1))
+            g = head.run(cache, target.embed(ids[tok_at]).float(), feats, start + d, mask_d)  # (n, C)
+            logits = g @ lm_weight.float()  # (n, V)
+            right = logits.gather(-1, ids[label_at][:, None])  # (n, 1)
+            rank = (logits > right).sum(-1).clamp(max=MAX_RANK)  # (n,)
+            counts[d] += torch.bincount(rank[ok].cpu(), minlength=MAX_RANK + 1)
+            ok = ok & (rank == 0)  # deeper depths count only along a right path
+            feats = g
+    return counts
+
+
+def train(settings: TrainSettings) -> dict[str, Any]:
+    """The whole pipeline; returns (and writes to OUT/report.json) what it measured."""
+    started = time.perf_counter()
+    prep = prepare(settings)
+    target, out = prep.target, prep.out
+    positions = sum(int(m[2:].sum()) for m in prep.train.mask)
+    print(
+        f"data: {len(prep.train)} training sequences ({prep.train.num_tokens} tokens, {positions} trained "
+        f"positions), {len(prep.heldout)} held out; features {prep.features_s:.0f} s"
+    )
+    torch.manual_seed(settings.seed)
+    head = EagleHead.for_target(target.config).to(target.device)
+    t0 = time.perf_counter()
+    figures = fit(head, target, prep.train, settings, out / "cache" / STATE)
+    train_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    eval_target = prep.eval_target()
+    counts = depth_rank_counts(head, eval_target, prep.heldout, settings.tree_depth)  # (D, R+1)
+    totals = counts.sum(1).clamp(min=1)  # (D,)
+    rank_probs = (counts[:, :MAX_RANK] / totals[:, None]).tolist()
+    top1 = [round(p[0], 4) for p in rank_probs]
+    top5 = [round(sum(p[:5]), 4) for p in rank_probs]
+    head.choices = best_tree(rank_probs, settings.tree_nodes)
+    report: dict[str, Any] = {
+        "heldout_top1_by_depth": top1,
+        "heldout_top5_by_depth": top5,
+        "heldout_positions": int(totals[0]),
+        "train_sequences": len(prep.train),
+        "train_positions": positions,
+        "train_loss": round(figures["loss"], 4) if math.isfinite(figures["loss"]) else None,
+        "train_top1": round(figures["acc"], 4) if math.isfinite(figures["acc"]) else None,
+        "features_s": round(prep.features_s, 1),
+        "train_s": round(train_s, 1),
+        "settings": {k: v for k, v in asdict(settings).items() if k not in ("resume", "progress", "out")},
+    }
+    save_head(head, out, target=settings.model, extra={"training": report})
+
+    # τ of real decoding with the saved (float16) head on the float32 target, as users run it.
+    from specdecode.drafters.eagle import EagleDrafter
+
+    shipped = load_head(out, torch.float32, eval_target.device)
+    chosen = prep.eval_prompts(settings)
+    eos = prep.tokenizer.eos_token_ids
+    tau1 = measure_tau(
+        eval_target, lambda: EagleDrafter.static(shipped, eval_target), chosen, settings.eval_tokens, eos
+    )
+    tau2 = measure_tau(
+        eval_target, lambda: EagleDrafter.dynamic(shipped, eval_target), chosen, settings.eval_tokens, eos
+    )
+    report.update(
+        heldout_tau_eagle=round(tau1, 3),
+        heldout_tau_eagle2=round(tau2, 3),
+        tau_prompts=len(chosen),
+        eval_s=round(time.perf_counter() - t0, 1),
+    )
+    report["total_s"] = round(time.perf_counter() - started, 1)
+    save_head(head, out, target=settings.model, extra={"training": report})
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(f"held-out top-1 accuracy of the drafted token by depth: {' '.join(f'{a:.3f}' for a in top1)}")
+    print(f"held-out top-5 accuracy by depth: {' '.join(f'{a:.3f}' for a in top5)}")
+    print(
+        f"held-out τ (greedy decoding, {len(chosen)} prompts, {settings.eval_tokens} tokens): "
+        f"EAGLE-1 (fitted tree of {len(head.choices)} nodes) {tau1:.3f}, EAGLE-2 (defaults) {tau2:.3f}"
+    )
+    print(
+        f"time: features {prep.features_s:.0f} s, training {train_s:.0f} s, total {report['total_s']:.0f} s"
+    )
+    print(f"head written to {out}")
+    return report
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    d = TrainSettings(data="", out="")
+    add_common_args(p, d)
+    p.add_argument("--ce-weight", type=float, default=d.ce_weight, help="weight of the LM-head cross-entropy")
+    p.add_argument(
+        "--noise", type=float, default=d.noise, help="width of the uniform noise on input features"
+    )
+    p.add_argument("--tree-nodes", type=int, default=d.tree_nodes, help="nodes of the fitted EAGLE-1 tree")
+    p.add_argument("--tree-depth", type=int, default=d.tree_depth, help="depths measured for the tree fit")
+
+
+def main_args(args: argparse.Namespace) -> None:
+    common = common_kwargs(args)
+    for name in ("tree_nodes", "tree_depth"):
+        if getattr(args, name) < 1:
+            raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.noise < 0 or args.ce_weight < 0:
+        raise SpecDecodeError("--noise and --ce-weight must be >= 0")
+    settings = TrainSettings(
+        **common,
+        ce_weight=args.ce_weight,
+        noise=args.noise,
+        tree_nodes=args.tree_nodes,
+        tree_depth=args.tree_depth,
+    )
+    train(settings)

@@ -1,0 +1,474 @@
+"""EAGLE-1 / EAGLE-2: greedy output equal to plain greedy decoding (random heads, both tiny
+architectures, static trees and dynamic settings down to depth 1 and one verified node), full
+acceptance with an oracle head (which checks that drafting feeds the right tokens, features and
+cache entries), losslessness under sampling, tree and settings validation, the reference
+checkpoint layout, wrong-target and missing-head errors, the CLI flags, `specdecode train eagle`
+end to end with resume, and the shipped head on the real model (`real`).
+
+The oracle: a one-layer target whose attention output projection is zero computes each
+feature from its own token alone, so a head whose fc passes the embedding through and whose
+layer is a copy of the target's (with its input norm) reproduces the target's features up to
+the final norm's scale (its weight is ones), and thus its greedy tokens, at every depth.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdecode.cli import build_parser, main, speculative_settings
+from specdecode.drafters.base import Proposal
+from specdecode.drafters.eagle import EagleDrafter, EagleHead, load_head, save_head
+from specdecode.engine import Engine, Request
+from specdecode.errors import SpecDecodeError
+from specdecode.llm import LLM
+from specdecode.models.transformer import Transformer
+from specdecode.sampling import SamplingParams
+from specdecode.spec_config import Eagle2Config, EagleConfig, parse_speculative
+from specdecode.train.eagle import TrainSettings, fit
+from specdecode.train.features import extract
+from specdecode.tree import DraftTree
+from tests.test_draft_model import (
+    PARAMS,
+    PROMPT,
+    SEQ_LEN,
+    check_distribution,
+    exact_distribution,
+    greedy,
+    run,
+    tiny_transformer,
+)
+from tests.test_train import random_samples, write_chat_tokenizer, write_sharegpt
+from tests.tiny import make_tiny_hf
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = {
+    "repetitive": [10, 11, 12, 13, 14, 15] * 5,
+    "mixed": [5, 6, 7, 40, 41, 5, 6, 7, 90, 3, 5, 6],
+    "one token": [93],
+}
+Make = Callable[[EagleHead, Transformer], EagleDrafter]
+DRAFTERS: dict[str, Make] = {
+    "eagle, fitted-less default tree": lambda h, t: EagleDrafter.static(h, t),
+    "eagle, chain": lambda h, t: EagleDrafter.static(h, t, [[0, 0, 0]]),
+    "eagle, paths only, wide": lambda h, t: EagleDrafter.static(h, t, [[0, 0, 0], [1, 0], [2], [3, 1], [5]]),
+    "eagle2, defaults": lambda h, t: EagleDrafter.dynamic(h, t),
+    "eagle2, depth 1": lambda h, t: EagleDrafter.dynamic(h, t, depth=1, top_k=4, total_tokens=4),
+    "eagle2, one node": lambda h, t: EagleDrafter.dynamic(h, t, depth=4, top_k=3, total_tokens=1),
+    "eagle2, narrow deep": lambda h, t: EagleDrafter.dynamic(h, t, depth=6, top_k=1, total_tokens=6),
+}
+
+
+def random_head(model: Transformer, seed: int = 0, std: float = 0.3) -> EagleHead:
+    torch.manual_seed(seed)
+    head = EagleHead.for_target(model.config)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, std)
+    return head.eval()
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir: Path) -> Transformer:
+    return Transformer.from_dir(tiny_model_dir)
+
+
+# ------------------------------------------------------------------------------------------------
+# Greedy
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_greedy_equals_plain_greedy_with_random_heads(target: Transformer, name: str) -> None:
+    head = random_head(target)
+    for prompt_name, prompt in PROMPTS.items():
+        plain = run(target, prompt, None, greedy(24))
+        spec = run(target, prompt, DRAFTERS[name](head, target), greedy(24))
+        assert spec.output_ids == plain.output_ids, prompt_name
+        assert spec.stats.num_draft_tokens > 0
+
+
+def oracle(vocab: int = 96, seed: int = 5) -> tuple[Transformer, EagleHead]:
+    """A one-layer target without attention output, and the head that reproduces it."""
+    target = tiny_transformer(vocab, seed=seed, layers=1, hidden=32, std=0.5)
+    with torch.no_grad():
+        target.layers[0].o.weight_t.zero_()
+    head = EagleHead(target.config, fc_bias=False, input_norm=True)
+    c = target.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight_t.zero_()
+        head.fc.weight_t[:c] = torch.eye(c)  # the embedding half passes through
+        head.layer.load_state_dict(target.layers[0].state_dict())
+    return target, head.eval()
+
+
+@pytest.mark.parametrize(
+    "name,per_step",
+    [("eagle, chain", 4), ("eagle2, narrow deep", 7), ("eagle2, defaults", 6)],
+)
+def test_oracle_head_is_always_accepted(name: str, per_step: int) -> None:
+    """Every step emits depth + 1 tokens but the last (cut by max_tokens): drafts at every depth
+    came from the right features, tokens and cache entries, after every kind of step."""
+    target, head = oracle()
+    for prompt in PROMPTS.values():
+        req = Request(target, prompt, greedy(61), [], DRAFTERS[name](head, target))
+        steps = [len(tokens) for tokens in Engine(target).generate(req)]
+        assert req.output_ids == run(target, prompt, None, greedy(61)).output_ids
+        if len(prompt) == 1:  # the first step only guesses the root again (no feature yet)
+            steps = steps[1:]
+        assert all(n == per_step for n in steps[:-1]), steps
+
+
+def test_room_limits_the_tree(target: Transformer) -> None:
+    """Near the end of the context the tree is cut to the room left, still a tree."""
+    head = random_head(target)
+    prompt = [(7 * i) % 96 for i in range(250)]  # context 256
+    for name in ("eagle, paths only, wide", "eagle2, defaults"):
+        spec = run(target, prompt, DRAFTERS[name](head, target), greedy(40))
+        assert spec.output_ids == run(target, prompt, None, greedy(40)).output_ids
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling
+
+
+SMALL_V = 8
+N_SAMPLES = 1000  # per method: ~10 s each here; the liar below shows the check still has the power
+
+
+@pytest.fixture(scope="module")
+def small() -> tuple[Transformer, EagleHead, dict[tuple[int, ...], float]]:
+    target = tiny_transformer(SMALL_V, seed=10, hidden=16, std=0.5)
+    return target, random_head(target, seed=3, std=0.5), exact_distribution(target, PROMPT, SEQ_LEN)
+
+
+class UnconditionalLiar(EagleDrafter):
+    """Draws siblings without replacement but declares the parent's whole q for each of them,
+    as if they had been drawn independently: later siblings' acceptance is computed for the
+    wrong distribution."""
+
+    def propose(self, req: Request) -> Proposal:
+        tree = super().propose(req).tree
+        q = tree.draft_probs  # (N, V)
+        if q is None:
+            return Proposal(tree)
+        parents = tree.parents.tolist()
+        first = [parents.index(p) for p in parents]  # each node's eldest sibling: drawn from q itself
+        return Proposal(DraftTree(tree.tokens, tree.parents, q[first]))
+
+
+SAMPLED: dict[str, Make] = {
+    "eagle, wide tree": lambda h, t: EagleDrafter.static(h, t, [[0, 0], [1, 0], [2], [0, 1]]),
+    "eagle2": lambda h, t: EagleDrafter.dynamic(h, t, depth=3, top_k=3, total_tokens=6),
+}
+
+
+def sample_counts(
+    target: Transformer, head: EagleHead, make: Make, n: int
+) -> tuple[Counter[tuple[int, ...]], float]:
+    counts: Counter[tuple[int, ...]] = Counter()
+    forwards = 0
+    engine = Engine(target)
+    for seed in range(n):
+        params = SamplingParams(max_tokens=SEQ_LEN, seed=seed, ignore_eos=True, **PARAMS)
+        req = Request(target, PROMPT, params, [], make(head, target))
+        for _ in engine.generate(req):
+            pass
+        counts[tuple(req.output_ids)] += 1
+        forwards += req.stats.num_target_forwards
+    return counts, n * SEQ_LEN / forwards
+
+
+@pytest.mark.parametrize("name", SAMPLED)
+def test_sampling_is_lossless(small: tuple, name: str) -> None:
+    target, head, exact = small
+    counts, tau = sample_counts(target, head, SAMPLED[name], N_SAMPLES)
+    result = check_distribution(counts, exact)
+    assert result.ok, (result, tau)
+    assert tau > 1.2  # drafts were accepted: the verifier really ran on them
+
+
+def test_check_catches_siblings_declared_unconditionally(small: tuple) -> None:
+    """The same check, with no more samples, flags siblings declared with the wrong q."""
+    target, head, exact = small
+    liar = lambda h, t: UnconditionalLiar(h, t, [[0], [1], [2], [3]])  # noqa: E731
+    counts, _ = sample_counts(target, head, liar, N_SAMPLES)
+    assert not check_distribution(counts, exact).ok
+
+
+def test_sampled_siblings_declare_their_conditional_distribution(target: Transformer) -> None:
+    """Sibling j's declared q excludes the j earlier siblings' tokens and gives its own token
+    positive mass; rows sum to 1."""
+    head = random_head(target)
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=0)
+    drafter = EagleDrafter.static(head, target, [[0], [1], [2], [0, 0], [0, 1]])
+    req = Request(target, PROMPTS["mixed"], params, [], drafter)
+    Engine(target).prefill(req)
+    drafter.begin(req, run_prefix(target, req.prompt_ids))
+    tree = drafter.propose(req).tree
+    q = tree.draft_probs
+    assert q is not None and tree.parents.tolist() == [0, 0, 0, 1, 1]
+    torch.testing.assert_close(q.sum(-1), torch.ones(5))
+    assert bool((q[torch.arange(5), tree.tokens] > 0).all())
+    for later, earlier in ((1, [0]), (2, [0, 1]), (4, [3])):
+        assert float(q[later, tree.tokens[earlier]].sum()) == 0.0
+
+
+def run_prefix(model: Transformer, ids: list[int]) -> torch.Tensor:
+    """The target's features of every prompt token but the last, (P-1, C)."""
+    cache = model.new_cache(len(ids))
+    with torch.inference_mode():
+        return model(torch.tensor([ids[:-1]]), torch.arange(len(ids) - 1)[None], cache)[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# Trees and settings
+
+
+def proposal(drafter: EagleDrafter, model: Transformer, prompt: list[int]) -> Proposal:
+    req = Request(model, prompt, greedy(8), [], drafter)
+    drafter.begin(req, run_prefix(model, prompt))
+    return drafter.propose(req)
+
+
+def test_both_choice_forms_build_the_same_tree(target: Transformer) -> None:
+    head = random_head(target)
+    every = [[0], [0, 0], [0, 0, 0], [0, 1], [0, 1, 0], [1], [1, 0], [1, 1]]
+    paths = [[0, 0, 0], [0, 1, 0], [1, 0], [1, 1]]
+    a = proposal(EagleDrafter.static(head, target, every), target, PROMPTS["mixed"]).tree
+    b = proposal(EagleDrafter.static(head, target, paths), target, PROMPTS["mixed"]).tree
+    assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+    assert a.num_nodes == 8
+
+
+def test_dynamic_tree_keeps_the_most_probable_nodes(target: Transformer) -> None:
+    """Greedy EAGLE-2 with top_k >= V at depth 1 keeps the total_tokens most likely first tokens."""
+    head = random_head(target)
+    drafter = EagleDrafter.dynamic(head, target, depth=1, top_k=96, total_tokens=5)
+    tree = proposal(drafter, target, PROMPTS["mixed"]).tree
+    assert drafter.last is not None
+    best = drafter.draft_logits(drafter.last[None])[0].topk(5).indices
+    assert tree.tokens.tolist() == best.tolist() and tree.parents.tolist() == [0] * 5
+
+
+@pytest.mark.parametrize(
+    "spec,words",
+    [
+        ({"method": "eagle2", "depth": 0}, "eagle2: depth must be a positive integer"),
+        ({"method": "eagle2", "top_k": "8"}, "eagle2: top_k must be a positive integer"),
+        ({"method": "eagle2", "total_tokens": -1}, "eagle2: total_tokens must be a positive integer"),
+        ({"method": "eagle2", "eagle_choices": [[0]]}, "eagle2: unknown option eagle_choices"),
+        ({"method": "eagle", "eagle_choices": [[0], []]}, "tree choice is empty"),
+        ({"method": "eagle", "eagle_choices": [[0, -1]]}, "non-negative integer"),
+        ({"method": "eagle", "eagle_choices": "[[0]]"}, "eagle: eagle_choices must be a list of lists"),
+        ({"method": "eagle", "head": ""}, "eagle: head must be a path"),
+        ({"method": "eagle", "depth": 3}, "eagle: unknown option depth"),
+    ],
+)
+def test_bad_settings_name_the_setting(spec: dict, words: str) -> None:
+    with pytest.raises(SpecDecodeError, match=words):
+        parse_speculative(spec)
+
+
+def test_settings_defaults_and_choice_ranks(target: Transformer) -> None:
+    assert parse_speculative({"method": "eagle2"}) == Eagle2Config(depth=5, top_k=8, total_tokens=24)
+    assert parse_speculative({"method": "eagle", "eagle_choices": [[0], [1, 0]]}) == EagleConfig(
+        eagle_choices=((0,), (1, 0))
+    )
+    with pytest.raises(SpecDecodeError, match="rank 96, beyond the vocabulary of 96"):
+        EagleDrafter.static(random_head(target), target, [[0], [96]])
+
+
+def test_cli_flags() -> None:
+    parser = build_parser()
+    args = parser.parse_args(
+        ["generate", "--prompt", "x", "--top-k", "50", "--depth", "3", "--top-k-draft", "4", "--head", "H"]
+    )
+    assert speculative_settings(args) == {"method": "eagle2", "depth": 3, "top_k": 4, "head": "H"}
+    assert args.top_k == 50  # sampling's top-k is its own flag
+    args = parser.parse_args(
+        ["generate", "--prompt", "x", "--method", "eagle", "--eagle-choices", "[[0],[1]]"]
+    )
+    assert speculative_settings(args) == {"method": "eagle", "eagle_choices": [[0], [1]]}
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def reference_state(head: EagleHead) -> dict[str, torch.Tensor]:
+    """The head's weights named and shaped as in the EAGLE reference's checkpoints."""
+    cfg = head.layer_config
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    qkv = head.layer.qkv.weight_t.detach().t()  # (q + 2 kv, C)
+    gate, up = head.layer.gate_up.weight_t.detach().t().chunk(2)
+    a, p = "layers.0.self_attn.", "layers.0."
+    state = {
+        "fc.weight": head.fc.weight_t.detach().t(),
+        a + "q_proj.weight": qkv[:q],
+        a + "k_proj.weight": qkv[q : q + kv],
+        a + "v_proj.weight": qkv[q + kv :],
+        a + "o_proj.weight": head.layer.o.weight_t.detach().t(),
+        p + "mlp.gate_proj.weight": gate,
+        p + "mlp.up_proj.weight": up,
+        p + "mlp.down_proj.weight": head.layer.down.weight_t.detach().t(),
+        p + "post_attention_layernorm.weight": head.layer.mlp_norm.weight.detach(),
+        "embed_tokens.weight": torch.zeros(cfg.vocab_size, cfg.hidden_size),  # ignored
+    }
+    if head.fc.bias is not None:
+        state["fc.bias"] = head.fc.bias.detach()
+    if cfg.attention_bias:
+        bias = head.layer.qkv.bias.detach()  # type: ignore[union-attr]
+        state.update(
+            {
+                a + "q_proj.bias": bias[:q],
+                a + "k_proj.bias": bias[q : q + kv],
+                a + "v_proj.bias": bias[q + kv :],
+            }
+        )
+    return {k: v.contiguous().clone() for k, v in state.items()}
+
+
+@pytest.mark.parametrize("file", ["model.safetensors", "pytorch_model.bin"])
+def test_reference_layout_drafts_like_our_format(target: Transformer, tmp_path: Path, file: str) -> None:
+    head = random_head(target)
+    ours = save_head(head, tmp_path / "ours", target="tiny", dtype=torch.float32)
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    state = reference_state(head)
+    if file.endswith(".bin"):
+        torch.save(state, ref / file)
+    else:
+        from safetensors.torch import save_file
+
+        save_file(state, str(ref / file))
+    hf = target.config.to_hf()
+    hf.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"])
+    (ref / "config.json").write_text(json.dumps(hf))
+    a, b = load_head(ours), load_head(ref)
+    assert b.fc_bias and not b.input_norm and b.layer_config.attention_bias == target.config.attention_bias
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(x, y), name
+    for make in (DRAFTERS["eagle, paths only, wide"], DRAFTERS["eagle2, defaults"]):
+        ta = proposal(make(a, target), target, PROMPTS["mixed"]).tree
+        tb = proposal(make(b, target), target, PROMPTS["mixed"]).tree
+        assert ta.tokens.tolist() == tb.tokens.tolist() and ta.parents.tolist() == tb.parents.tolist()
+
+
+def test_checkpoint_errors(target: Transformer, tmp_path: Path) -> None:
+    with pytest.raises(SpecDecodeError, match="no such directory"):
+        load_head(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SpecDecodeError, match="no EAGLE head in"):
+        load_head(tmp_path / "empty")
+    other = tiny_transformer(96, seed=1, hidden=48)
+    save_head(random_head(other), tmp_path / "other", target="other")
+    with pytest.raises(SpecDecodeError, match="trained for another target: hidden size 48"):
+        EagleDrafter.static(load_head(tmp_path / "other"), target)
+    llm = LLM.__new__(LLM)  # only the shipped-head lookup: no model needed
+    llm.model_name, llm._eagle_heads = "no-such-model", {}
+    with pytest.raises(SpecDecodeError, match="specdecode train eagle --model no-such-model"):
+        llm.eagle_head(None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Training
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("eagle_train_tiny")
+    make_tiny_hf("llama", out, seed=0)
+    write_chat_tokenizer(out)
+    return out
+
+
+def test_resumed_training_ends_where_an_uninterrupted_run_does(tiny_dir: Path, tmp_path: Path) -> None:
+    model = Transformer.from_dir(tiny_dir)
+    samples = random_samples(10, seed=4, low=2, high=6)
+    feats = extract(
+        model, samples, generate=True, max_len=40, eos_ids=[2], cache_dir=tmp_path / "f", model_tag="t",
+        progress=False,
+    )  # fmt: skip
+    settings = TrainSettings(
+        data="-", out=str(tmp_path), epochs=3, batch_size=4, save_every=2, dtype="float32", progress=False
+    )
+
+    def fresh() -> EagleHead:
+        torch.manual_seed(0)
+        return EagleHead.for_target(model.config)
+
+    straight = fresh()
+    fit(straight, model, feats, settings, tmp_path / "straight.pt")
+
+    def ctrl_c_at_4(step: int) -> None:
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    state = tmp_path / "resumed.pt"
+    with pytest.raises(KeyboardInterrupt):
+        fit(fresh(), model, feats, settings, state, on_step=ctrl_c_at_4)
+    assert torch.load(state, weights_only=True)["step"] == 5
+    resumed = fresh()
+    fit(resumed, model, feats, settings, state)
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert not torch.equal(straight.fc.weight_t, fresh().fc.weight_t)
+
+
+def test_train_command_end_to_end(tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`specdecode train eagle` on a tiny ShareGPT file: head, config (with a fitted tree) and
+    report written, EAGLE-1 and EAGLE-2 with it decode exactly like plain greedy, and a second
+    run needs --resume."""
+    data = tmp_path / "sharegpt.json"
+    write_sharegpt(data, 30)
+    out = tmp_path / "head"
+    argv = [
+        "train", "eagle", "--model", str(tiny_dir), "--data", str(data), "--out", str(out),
+        "--max-len", "96", "--epochs", "2", "--batch-size", "4", "--heldout", "5",
+        "--eval-prompts", "2", "--eval-tokens", "24", "--tree-nodes", "6", "--tree-depth", "3",
+        "--dtype", "float32", "--self-distill", "--feature-batch-size", "8",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "held-out top-1 accuracy of the drafted token by depth" in printed and "held-out τ" in printed
+    report = json.loads((out / "report.json").read_text())
+    assert len(report["heldout_top1_by_depth"]) == 3
+    assert report["heldout_tau_eagle"] >= 1.0 and report["heldout_tau_eagle2"] >= 1.0
+    head = load_head(out)
+    assert head.choices is not None and len(head.choices) == 6
+
+    llm = LLM(model=str(tiny_dir), progress=False)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    for spec in ({"method": "eagle", "head": str(out)}, {"method": "eagle2", "head": str(out), "depth": 3}):
+        for text in ("the cat", "a"):
+            assert (
+                llm.generate(text, params, speculative=spec)[0].token_ids
+                == llm.generate(text, params)[0].token_ids
+            )
+
+    assert main(argv) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert main([*argv, "--resume"]) == 0  # a finished run: re-evaluated from its checkpoint
+
+
+# ------------------------------------------------------------------------------------------------
+# The shipped head
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("method", ["eagle", "eagle2"])
+def test_shipped_head_on_smollm2(method: str) -> None:
+    llm = LLM(model="smollm2-135m", progress=False)
+    ids = llm.chat_prompt([{"role": "user", "content": "Write a short poem about the sea."}])
+    params = SamplingParams(max_tokens=48, temperature=0)
+    spec = llm.generate([ids], params, speculative={"method": method})[0]
+    assert spec.token_ids == llm.generate([ids], params)[0].token_ids
+    assert spec.stats.mean_accepted_length > 1.5
