@@ -383,30 +383,6 @@ def test_failing_step_fails_its_requests_but_not_the_server(scripted, client: op
     assert httpx.get(scripted[0] + "/health").status_code == 200
 
 
-def test_burst_of_malformed_requests_among_valid_ones(scripted, llm: LLM) -> None:
-    url = scripted[0]
-    bad = [body for body, _, _ in BAD_COMPLETIONS] * 2
-    good = [(f"{chr(97 + k % 26)}{k}", 3 + k % 5) for k in range(16)]
-
-    def send_good(item: tuple[str, int]) -> str:
-        prompt, n = item
-        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        return c.completions.create(model=MODEL, prompt=prompt, max_tokens=n).choices[0].text
-
-    def send_bad(body) -> int:
-        content = body if isinstance(body, str) else json.dumps(body)
-        return httpx.post(url + "/v1/completions", content=content).status_code
-
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        bad_status = pool.map(send_bad, bad)
-        texts = pool.map(send_good, good)
-        assert all(400 <= s < 500 for s in bad_status)
-        for (prompt, n), text in zip(good, texts, strict=True):
-            assert text == llm.tokenizer.decode(
-                script(llm.tokenizer.encode(prompt, add_special_tokens=True), n)
-            )
-
-
 def test_disconnects_abort_their_requests(llm: LLM) -> None:
     engine = ScriptedEngine(per_step=1, step_s=0.01)
     async_engine = AsyncEngine(engine)  # type: ignore[arg-type]
@@ -525,6 +501,51 @@ def test_real_concurrent_n_and_metrics(real, llm: LLM) -> None:
     after = httpx.get(url + "/metrics").text
     assert 'specdecode_draft_tokens_proposed_total{method="prompt_lookup"}' in after
     assert after != metrics_before
+
+
+def test_burst_of_malformed_requests_among_valid_ones(real, llm: LLM) -> None:
+    """Bad requests (the HTTP layer's and one the engine refuses) interleaved with valid ones."""
+    url = real[0]
+    refused = {"model": MODEL, "prompt": "x", "speculative": {"method": "draft_model", "draft_model": "nope"}}
+    bad = [body for body, _, _ in BAD_COMPLETIONS] + [refused]
+    good = [f"the {k} tea in {k % 3}" for k in range(12)]
+    jobs = [job for pair in zip(bad, good * 2, strict=False) for job in pair]
+
+    def send(job) -> tuple[int, str]:
+        if job in good:
+            body = {"model": MODEL, "prompt": job, "max_tokens": 8, "temperature": 0}
+            body["speculative"] = SPECS[len(job) % len(SPECS)]
+            r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            return r.status_code, r.json()["choices"][0]["text"]
+        content = job if isinstance(job, str) else json.dumps(job)
+        r = httpx.post(url + "/v1/completions", content=content, timeout=60)
+        return r.status_code, error_of(r)["message"]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(send, jobs))
+    params = SamplingParams(max_tokens=8, temperature=0)
+    for job, (status, text) in zip(jobs, answers, strict=True):
+        if job in good:
+            assert (status, text) == (200, llm.generate(job, params, speculative=None)[0].text)
+        else:
+            assert 400 <= status < 500, (job, text)
+    assert answers[jobs.index(refused)][1].startswith("unknown model 'nope'")
+
+
+def test_real_prefix_reuse_shows_in_usage_and_metrics(real, llm: LLM) -> None:
+    url, engine = real
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    prompts = ["in the tea the 12 in a tea the", "in the tea the 12 in a tea a"]
+    first, second = (llm.tokenizer.encode(p, add_special_tokens=True) for p in prompts)
+    shared = next(k for k, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    full_blocks = shared // 4  # the fixture's block size
+    assert full_blocks >= 2
+    reused = engine.stats.kv_blocks_reused
+    out = [client.completions.create(model=MODEL, prompt=p, max_tokens=2, temperature=0) for p in prompts]
+    assert out[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert out[1].usage.prompt_tokens_details.cached_tokens == 4 * full_blocks
+    assert out[1].usage.model_dump()["cached_prompt_tokens"] == 4 * full_blocks
+    assert engine.stats.kv_blocks_reused == reused + full_blocks
 
 
 def test_real_disconnect_frees_blocks(real) -> None:

@@ -25,12 +25,11 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple, TypeVar
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from specdecode.errors import SpecDecodeError
@@ -82,17 +81,6 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
-    """FastAPI's 422 as a 400 naming the first offending field (`param`: its top-level name)."""
-    err = exc.errors()[0]
-    loc = [str(part) for part in err.get("loc", ()) if part != "body"]
-    if err.get("type") == "json_invalid":
-        return APIError(400, f"malformed JSON body: {err.get('msg')}")
-    if not loc:
-        return APIError(400, f"request body: {err.get('msg')}")
-    return APIError(400, f"{'.'.join(loc)}: {err.get('msg')}", param=loc[0])
-
-
 # ---- request bodies ----------------------------------------------------------------------------
 
 
@@ -123,6 +111,9 @@ class GenerationBody(BaseModel):
     speculative: dict[str, Any] | None = None
 
 
+Body = TypeVar("Body", bound=GenerationBody)
+
+
 class CompletionBody(GenerationBody):
     prompt: str | list[int] | list[str] | list[list[int]]
 
@@ -147,6 +138,23 @@ class Message(BaseModel):
 class ChatBody(GenerationBody):
     messages: list[Message]
     max_completion_tokens: int | None = Field(None, ge=1)
+
+
+async def parse_body(request: Request, model: type[Body]) -> Body:
+    """The JSON body validated by `model`, whatever the content type says (curl's `-d` sends
+    form-encoded); errors become a 400 naming the first offending field."""
+    try:
+        data = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"malformed JSON body: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [str(part) for part in err["loc"]]
+        raise APIError(400, f"{'.'.join(loc)}: {err['msg']}", param=loc[0] if loc else None) from None
 
 
 # ---- one choice --------------------------------------------------------------------------------
@@ -525,10 +533,6 @@ def create_app(
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
-
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
         return _failure(exc).response()
@@ -541,7 +545,8 @@ def create_app(
     authorized = [Depends(server.check_key)]
 
     @app.post("/v1/completions", dependencies=authorized)
-    async def completions(body: CompletionBody, request: Request) -> Response:
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request, CompletionBody)
         server.check_model(body.model)
         server.check_supported(body)
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt else [body.prompt]
@@ -561,7 +566,8 @@ def create_app(
         )
 
     @app.post("/v1/chat/completions", dependencies=authorized)
-    async def chat_completions(body: ChatBody, request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        body = await parse_body(request, ChatBody)
         server.check_model(body.model)
         server.check_supported(body)
         if not body.messages:
