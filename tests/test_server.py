@@ -503,6 +503,28 @@ def test_real_concurrent_n_and_metrics(real, llm: LLM) -> None:
     assert after != metrics_before
 
 
+@pytest.mark.parametrize("spec", SPECS[:2], ids=["plain", "prompt_lookup"])
+def test_seeded_choices_sample_as_llm_generate_with_seed_plus_k(real, llm: LLM, spec) -> None:
+    client = openai.OpenAI(base_url=real[0] + "/v1", api_key="x", max_retries=0)
+    out = client.completions.create(
+        model=MODEL,
+        prompt="the tea in",
+        max_tokens=12,
+        temperature=0.8,
+        seed=5,
+        n=2,
+        extra_body={"speculative": spec, "ignore_eos": True},
+    )
+    expected = [
+        llm.generate("the tea in", SamplingParams(12, 0.8, seed=seed, ignore_eos=True), speculative=spec)[
+            0
+        ].text
+        for seed in (5, 6)
+    ]
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == expected
+    assert expected[0] != expected[1]
+
+
 def test_burst_of_malformed_requests_among_valid_ones(real, llm: LLM) -> None:
     """Bad requests (the HTTP layer's and one the engine refuses) interleaved with valid ones."""
     url = real[0]
