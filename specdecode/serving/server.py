@@ -361,17 +361,17 @@ class Server:
         return reqs, choices
 
     async def submit(self, reqs: list[ServeRequest]) -> list[RequestStream]:
-        """Add every request; if the engine refuses one, abort those already added and answer 400."""
-        streams: list[RequestStream] = []
-        try:
-            for req in reqs:
-                streams.append(await self.engine.generate(req))
-        except SpecDecodeError as exc:
-            raise APIError(400, str(exc)) from None
-        finally:
-            if len(streams) < len(reqs):
-                for stream in streams:
-                    await stream.aclose()
+        """Add every request at once (the engine thread takes them between two steps); if the
+        engine refuses one, abort the others and answer with its error."""
+        added = await asyncio.gather(*(self.engine.generate(req) for req in reqs), return_exceptions=True)
+        streams = [r for r in added if isinstance(r, RequestStream)]
+        if len(streams) < len(reqs):
+            for stream in streams:
+                await stream.aclose()
+            failure = next(r for r in added if not isinstance(r, RequestStream))
+            if not isinstance(failure, Exception):
+                raise failure  # cancelled
+            raise _failure(failure)
         return streams
 
     # ---- answering -----------------------------------------------------------------------------
