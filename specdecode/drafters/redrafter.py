@@ -20,6 +20,13 @@ probability. **Merging** (`merge_beams`): beams share prefixes (often their firs
 the tree has one node per distinct prefix and the target checks each prefix once; the verifier's
 walk down the tree then finds the longest accepted beam.
 
+**Draft vocabulary.** Each beam step multiplies a few rows by the whole LM head; on a CPU that
+costs the bytes read (113 MB for SmolLM2's 49152 x 576 float32 head), four times a step. A
+drafter sharing the target's head may carry `draft_vocab`, the K token ids it may draft (the
+most frequent ones in its training answers): it then reads only those K columns, and scores
+beams by the softmax over them. The verifier is untouched, so output stays exact; only tokens
+outside the K can never be drafted.
+
 **Draft probabilities.** Beam search is deterministic: given the context, which tokens become
 nodes, and in which sibling order, is fixed, so each node's token is a point mass given
 everything before it. The tree therefore carries no `draft_probs` and `verify_sampling` treats
@@ -88,6 +95,7 @@ class ReDrafterHead(nn.Module):
         exit_dim: int | None = None,
         rnn: bool = True,
         shared_lm_head: bool = True,
+        draft_vocab_size: int = 0,
     ) -> None:
         super().__init__()
         exit_dim = hidden_size if exit_dim is None else exit_dim
@@ -115,6 +123,26 @@ class ReDrafterHead(nn.Module):
                 self.input_proj.weight[:, :hidden_size].copy_(torch.eye(exit_dim, hidden_size))
         self.blocks = nn.Sequential(*(ResBlock(exit_dim) for _ in range(num_layers)))
         self.lm_head = None if shared_lm_head else nn.Linear(exit_dim, vocab_size, bias=False)
+        if draft_vocab_size and not shared_lm_head:
+            raise SpecDecodeError("a ReDrafter draft vocabulary needs the shared LM head")
+        # (K,) the token ids it may draft; empty = the whole vocabulary (see the module docstring).
+        # Not trained, so not in the state dict (nor in training checkpoints); `save_head` stores it.
+        self.register_buffer(
+            "draft_vocab", torch.arange(draft_vocab_size, dtype=torch.long), persistent=False
+        )
+        self._sliced: tuple[tuple[int, int, torch.dtype], Tensor] | None = None
+
+    def lm_weight_t(self, target_weight_t: Tensor) -> Tensor:
+        """The (C, K) columns of the target's (C, V) LM head for `draft_vocab` (all V without
+        one), cut once per head weight (storage, version and dtype)."""
+        if self.draft_vocab.numel() == 0:
+            return target_weight_t
+        key = (target_weight_t.data_ptr(), target_weight_t._version, target_weight_t.dtype)
+        if self._sliced is None or self._sliced[0] != key:
+            with torch.inference_mode(False), torch.no_grad():
+                cols = target_weight_t.detach()[:, self.draft_vocab.to(target_weight_t.device)]
+            self._sliced = (key, cols.contiguous())
+        return self._sliced[1]
 
     def step(self, state: Tensor, embedding: Tensor) -> Tensor:
         """(..., C) state and (..., C) embedding of the beam's last token -> (..., C) next state."""
@@ -151,6 +179,7 @@ class ReDrafterHead(nn.Module):
             "num_layers": self.num_layers,
             "rnn": self.rnn,
             "shared_lm_head": self.shared_lm_head,
+            "draft_vocab_size": int(self.draft_vocab.numel()),
         }
 
 
@@ -174,8 +203,12 @@ def beam_search(
     target's input embedding; `head_weight_t` (C, V) its LM head (for a shared-head drafter).
     Returns beams (B, depth) long and their summed log probabilities (B,), B <= width (fewer
     only when the vocabulary is smaller than the width). The first step extends the root
-    alone, so no two beams are ever the same sequence.
+    alone, so no two beams are ever the same sequence. A head with a draft vocabulary drafts
+    only its tokens (`ReDrafterHead.lm_weight_t`).
     """
+    vocab_ids = head.draft_vocab if head.draft_vocab.numel() else None  # (K,) or all V
+    if head.lm_head is None and head_weight_t is not None:
+        head_weight_t = head.lm_weight_t(head_weight_t)  # (C, K)
     device = context.device
     state = torch.zeros(1, head.hidden_size, dtype=context.dtype, device=device)  # (B, C)
     last = torch.tensor([root], device=device)  # (B,)
@@ -188,6 +221,8 @@ def beam_search(
         vocab = total.shape[1]
         scores, flat = total.flatten().topk(min(width, total.numel()))  # (B',)
         parent, last = flat // vocab, flat % vocab
+        if vocab_ids is not None:
+            last = vocab_ids[last]
         beams = torch.cat([beams[parent], last[:, None]], dim=1)
         state = state[parent]
     return beams, scores
@@ -234,6 +269,8 @@ def save_head(
 
     out = Path(out)
     tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in head.state_dict().items()}
+    if head.draft_vocab.numel():
+        tensors["draft_vocab"] = head.draft_vocab.to("cpu")
     with atomic_file(out / WEIGHTS) as tmp:
         save_file(tensors, str(tmp))
     config = {**head.config(), "target": target, "dtype": str(dtype).removeprefix("torch."), **(extra or {})}
@@ -290,6 +327,7 @@ def _build(config: dict[str, Any], source: Path, layers_key: str, shared: bool) 
             int(config["exit_dim"]),
             bool(config.get("rnn", True)),
             shared,
+            int(config.get("draft_vocab_size", 0)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecDecodeError(f"{source} is not a ReDrafter config ({exc!r})") from None
@@ -327,7 +365,14 @@ def load_head(
                 f"{root / CONFIG} is missing or not a ReDrafter config (method != 'redrafter')"
             )
         head = _build(config, root / CONFIG, "num_layers", bool(config.get("shared_lm_head", True)))
-        _load_state(head, _read_tensors(root / WEIGHTS), root / WEIGHTS)
+        tensors = _read_tensors(root / WEIGHTS)
+        vocab = tensors.pop("draft_vocab", head.draft_vocab)
+        if vocab.shape != head.draft_vocab.shape:
+            raise SpecDecodeError(
+                f"{root / WEIGHTS}: draft_vocab does not match draft_vocab_size in {CONFIG}"
+            )
+        _load_state(head, tensors, root / WEIGHTS)
+        head.draft_vocab = vocab.long()
     else:
         found = [root / name for name in REFERENCE_WEIGHTS if (root / name).is_file()]
         if not found or config.get("model_type") != REFERENCE_MODEL_TYPE:
@@ -408,7 +453,7 @@ class ReDrafter(Drafter):
             self.hidden,
             req.root,
             self.target.embed.weight,
-            self._lm_weight_t(),
+            self.target.head_weight_t(),
             self.width,
             self.depth,
         )
@@ -417,15 +462,6 @@ class ReDrafter(Drafter):
         return Proposal(
             DraftTree(torch.tensor(tokens[:n], dtype=torch.long), torch.tensor(parents[:n], dtype=torch.long))
         )
-
-    def _lm_weight_t(self) -> Tensor:
-        """(C, V) the target's LM head for drafting. Each beam step reads all of it for a few rows,
-        so on a CPU its cost is the bytes read: a float32 target lends its bfloat16 screening copy
-        (`Transformer.greedy_tokens`), half the bytes. Drafts need no exact logits (the verifier
-        decides), and beam scores are summed in float32 all the same."""
-        if self.target.dtype == torch.float32 and self.target.device.type == "cpu":
-            return self.target._screening_head()[0].t()  # (V, C) bfloat16, viewed as (C, V)
-        return self.target.head_weight_t()
 
     def observe(self, req: Request, result: StepResult) -> None:
         accepted = result.verdict.accepted_nodes

@@ -81,6 +81,7 @@ class TrainSettings:
     device: str | None = None
     feature_batch_size: int = 32
     beam_width: int = 4
+    draft_vocab: int = 8192
     eval_prompts: int = 4
     eval_tokens: int = 128
     max_steps: int | None = None
@@ -148,6 +149,23 @@ def drafter_logits(
     if head.lm_head is None:
         return stacked.to(lm_weight.dtype) @ lm_weight
     return head.lm_head(stacked)
+
+
+def draft_vocabulary(features: Features, size: int, vocab_size: int) -> Tensor:
+    """(K,) sorted: the `size` tokens the assistant wrote most often (ties: the lower id)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids, mask in zip(features.ids, features.mask, strict=True):
+        counts += torch.bincount(ids[mask], minlength=vocab_size)
+    return torch.sort(counts, descending=True, stable=True).indices[:size].sort().values
+
+
+def coverage(features: Features, vocab: Tensor) -> float:
+    """Share of the assistant's tokens in `features` that `vocab` holds."""
+    largest = max(int(vocab.max()), *(int(ids.max()) for ids in features.ids))
+    inside = torch.zeros(largest + 1, dtype=torch.bool)
+    inside[vocab] = True
+    hits = sum(int(inside[ids[mask]].sum()) for ids, mask in zip(features.ids, features.mask, strict=True))
+    return hits / max(sum(int(mask.sum()) for mask in features.mask), 1)
 
 
 def depth_weights(depth: int) -> Tensor:
@@ -271,8 +289,13 @@ def train(settings: TrainSettings) -> dict[str, Any]:
 
     top1 = [round(a, 4) for a in top1_by_depth(head, embedding, lm_weight, held_set)]
     beam_length = settings.depth + 1
+    vocab_share = 1.0
+    if 0 < settings.draft_vocab < cfg.vocab_size:
+        head.draft_vocab = draft_vocabulary(prep.train, settings.draft_vocab, cfg.vocab_size).to(device)
+        vocab_share = coverage(prep.heldout, head.draft_vocab.cpu())
     report: dict[str, Any] = {
         "heldout_top1": top1,
+        "heldout_draft_vocab_coverage": round(vocab_share, 4),
         "heldout_positions": len(held_set),
         "train_positions": len(train_set),
         "train_samples": len(prep.train),
@@ -299,6 +322,8 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     save_head(head, out, target=settings.model, extra={"training": report})
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"held-out top-1 accuracy per depth (teacher-forced): {' '.join(f'{a:.3f}' for a in top1)}")
+    size = head.draft_vocab.numel() or cfg.vocab_size
+    print(f"draft vocabulary: {size} tokens, {vocab_share:.1%} of the held-out answers' tokens")
     print(
         f"held-out τ (greedy ReDrafter decoding, {len(chosen)} prompts, {settings.eval_tokens} tokens, "
         f"beam_width {settings.beam_width}, beam_length {beam_length}): {tau:.3f}"
@@ -321,14 +346,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--distill", type=float, default=d.distill, help="weight in [0, 1] of the target's soft targets"
     )
     p.add_argument("--beam-width", type=int, default=d.beam_width, help="beams for the held-out τ")
+    p.add_argument(
+        "--draft-vocab", type=int, default=d.draft_vocab, help="tokens it may draft, most frequent (0: all)"
+    )
 
 
 def main_args(args: argparse.Namespace) -> None:
     common = common_kwargs(args)
     if args.depth < 1 or args.beam_width < 1:
         raise SpecDecodeError(f"--depth and --beam-width must be >= 1, got {args.depth}, {args.beam_width}")
-    if args.num_layers < 0:
-        raise SpecDecodeError(f"--num-layers must be >= 0, got {args.num_layers}")
+    if args.num_layers < 0 or args.draft_vocab < 0:
+        raise SpecDecodeError(
+            f"--num-layers and --draft-vocab must be >= 0, got {args.num_layers}, {args.draft_vocab}"
+        )
     if not 0.0 <= args.distill <= 1.0:
         raise SpecDecodeError(f"--distill must be in [0, 1], got {args.distill}")
     settings = TrainSettings(
@@ -337,5 +367,6 @@ def main_args(args: argparse.Namespace) -> None:
         depth=args.depth,
         distill=args.distill,
         beam_width=args.beam_width,
+        draft_vocab=args.draft_vocab,
     )
     train(settings)
