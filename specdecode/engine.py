@@ -170,7 +170,7 @@ class StepPlan:
             return [sample(logits_to_probs(logits, req.params), req.generator)], None
         tree = self.tree
         n = tree.num_nodes
-        side_logits = model.logits(hidden[n + 1 :]) if self.length > n + 1 else None  # (M, V)
+        side_best = model.greedy_tokens(hidden[n + 1 :]) if self.length > n + 1 else None  # M ints
         if req.params.greedy:
             verdict = verify_greedy_rows(model, tree, hidden[: n + 1], root_best)
         else:
@@ -179,7 +179,7 @@ class StepPlan:
             verdict = (verify or verify_sampling)(tree, probs, req.generator)
         req.cache.compact(start, verdict.kept_indices)
         max_depth = int(self.depths[: n + 1].max())
-        return verdict.tokens, StepResult(verdict, hidden, side_logits, n, max_depth)
+        return verdict.tokens, StepResult(verdict, hidden, side_best, n, max_depth)
 
 
 def verify_greedy_rows(

@@ -222,8 +222,8 @@ def test_window_cells_see_one_token_per_offset(w: int, levels: int) -> None:
             assert bool(mask[i, level * w + column])
 
 
-def test_side_logits_are_causal_forwards_of_each_cells_context(tiny: Transformer) -> None:
-    """The engine's one forward gives, at every side token, the same logits as a plain causal
+def test_side_rows_are_causal_forwards_of_each_cells_context(tiny: Transformer) -> None:
+    """The engine's one forward gives, at every side token, the same state as a plain causal
     forward over the cached prefix plus that cell's guessed context (the lossless part does not
     depend on this, the quality of the n-grams does)."""
     config = LookaheadConfig(3, 4, 2)
@@ -234,7 +234,10 @@ def test_side_logits_are_causal_forwards_of_each_cells_context(tiny: Transformer
     w, levels = config.window_size, config.ngram_size - 1
     _, mask = window_layout(w, levels)
     for (ids, cache_len, proposal), result in zip(drafter.steps, drafter.results, strict=False):
-        assert proposal.side_tokens is not None and result.side_logits is not None
+        assert proposal.side_tokens is not None and result.side_best is not None
+        side = result.hidden[result.num_draft + 1 :]  # (M, C)
+        with torch.inference_mode():
+            assert result.side_best == tiny.logits(side).argmax(-1).tolist()
         cells = [ids[-1], *proposal.side_tokens.tolist()]
         assert cache_len == len(ids) - 1
         for i in range(1, w * levels):
@@ -242,9 +245,8 @@ def test_side_logits_are_causal_forwards_of_each_cells_context(tiny: Transformer
             seq = ids[:-1] + context
             cache = tiny.new_cache(len(seq))
             with torch.inference_mode():
-                hidden = tiny(torch.tensor([seq]), torch.arange(len(seq))[None], cache)[0, -1]
-                want = tiny.logits(hidden)
-            torch.testing.assert_close(result.side_logits[i - 1], want, atol=1e-4, rtol=1e-4)
+                want = tiny(torch.tensor([seq]), torch.arange(len(seq))[None], cache)[0, -1]
+            torch.testing.assert_close(side[i - 1], want, atol=1e-4, rtol=1e-4)
 
 
 def test_window_advances_by_one_jacobi_iteration(tiny: Transformer) -> None:
@@ -257,18 +259,16 @@ def test_window_advances_by_one_jacobi_iteration(tiny: Transformer) -> None:
     before = [row[:] for row in drafter.window]
     emitted, result = engine.step(req)
     req.append(emitted)
-    assert result is not None and result.side_logits is not None
+    assert result is not None and result.side_best is not None
     drafter.observe(req, result)
-    top = result.side_logits.argmax(-1).tolist()[-3:]
+    top = result.side_best[-3:]
     assert drafter.window == [before[1], before[2], top]
 
 
-def _fake_step(drafter: LookaheadDrafter, emitted: list[int], argmax: list[int], vocab: int = 96) -> None:
+def _fake_step(drafter: LookaheadDrafter, emitted: list[int], argmax: list[int]) -> None:
     """Feed `observe` a step that emitted `emitted` and whose side tokens' argmax is `argmax`."""
-    logits = torch.zeros(len(argmax), vocab)  # (M, V)
-    logits[torch.arange(len(argmax)), torch.tensor(argmax)] = 1.0
     verdict = Verdict(list(range(1, len(emitted))), emitted)
-    result = StepResult(verdict, torch.zeros(0, 1), logits, num_draft=len(emitted) - 1, max_depth=0)
+    result = StepResult(verdict, torch.zeros(0, 1), argmax, num_draft=len(emitted) - 1, max_depth=0)
     drafter._step_has_window = True
     drafter.observe(SimpleNamespace(all_ids=[50] * 8 + emitted), result)  # type: ignore[arg-type]
 

@@ -51,7 +51,9 @@ class StepResult:
 
     verdict: Verdict
     hidden: torch.Tensor  # (N+1+M, C) target hidden states (after the final norm) of every input row
-    side_logits: torch.Tensor | None  # (M, V) target logits of the side tokens
+    # (M,) the target's greedy token after each side token: all lookahead needs of their logits,
+    # read through the screened head (`Transformer.greedy_tokens`) at half the bytes of the logits
+    side_best: list[int] | None
     num_draft: int  # N, draft tokens offered
     max_depth: int  # depth of the deepest draft node
 

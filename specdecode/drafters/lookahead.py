@@ -229,11 +229,11 @@ class LookaheadDrafter(Drafter):
 
     def observe(self, req: Request, result: StepResult) -> None:
         """Advance the window by one Jacobi iteration and pool the completed trajectories."""
-        if self.plain or not self._step_has_window or result.side_logits is None:
+        if self.plain or not self._step_has_window or result.side_best is None:
             return
-        # Next-token guess at every cell; the root's own row is not among the side logits, but
+        # Next-token guess at every cell; the root's own row is not among the side rows, but
         # the step's first emitted token is the target's choice there (only used when N = 2).
-        preds = [result.verdict.tokens[0], *result.side_logits.argmax(dim=-1).tolist()]  # L*W ints
+        preds = [result.verdict.tokens[0], *result.side_best]  # L*W ints
         top = (self.levels - 1) * self.w
         new_row = preds[top : top + self.w]
         full = self.levels - 1  # links a column needs before its trajectory is an n-gram
