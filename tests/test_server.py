@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -603,3 +604,51 @@ def test_smollm2_chat_over_http_equals_llm_chat() -> None:
     assert out.choices[0].message.content == expected.text
     usage = out.usage.model_dump()
     assert usage["num_draft_tokens"] > 0 and usage["mean_accepted_length"] > 1
+
+
+def test_serve_command_end_to_end(llm: LLM, tmp_path: Path) -> None:
+    """`specdecode serve` in a subprocess: it answers, and stops cleanly on Ctrl-C."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [
+        sys.executable,
+        "-m",
+        "specdecode.cli",
+        "serve",
+        "--model",
+        llm.model_name,
+        "--port",
+        str(port),
+    ]
+    command += ["--threads", "1", "--speculative", '{"method": "prompt_lookup"}', "--api-key", "k"]
+    command += ["--max-batch-tokens", "64"]  # the load policy measures forwards this wide: < the context
+    env = {**os.environ, "SPECDECODE_CACHE": os.environ.get("SPECDECODE_CACHE", str(tmp_path))}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"the server did not come up:\n{proc.communicate()[0]}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+        out = client.completions.create(
+            model=llm.model_name, prompt="the tea the tea", max_tokens=8, temperature=0
+        )
+        expected = llm.generate("the tea the tea", SamplingParams(max_tokens=8, temperature=0))[0]
+        assert out.choices[0].text == expected.text
+        assert out.usage.model_dump()["num_draft_tokens"] > 0  # --speculative is the default
+    finally:
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0, output
