@@ -240,7 +240,15 @@ def test_speculative_field_reaches_the_engine(scripted, client: openai.OpenAI) -
         model=MODEL, prompt="x", max_tokens=1, extra_body={"speculative": {"method": "prompt_lookup"}}
     )
     client.completions.create(model=MODEL, prompt="x", max_tokens=1)
-    plain, lookup, default = (r.speculative for r in engine.seen[before:])
+    client.chat.completions.create(  # the "off" values of unsupported parameters are accepted
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=1,
+        logprobs=False,
+        frequency_penalty=0.0,
+        response_format={"type": "text"},
+    )
+    plain, lookup, default, _ = (r.speculative for r in engine.seen[before:])
     assert plain is None and default is None  # this server's default is plain decoding
     assert lookup is not None and lookup.method == "prompt_lookup"
 
@@ -279,6 +287,8 @@ BAD_COMPLETIONS = [
     ),
     ({"model": MODEL, "prompt": "x", "speculative": "prompt_lookup"}, 400, "speculative"),
     ({"model": MODEL, "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 0}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
 ]
 
 
@@ -308,6 +318,7 @@ BAD_CHATS = [
         "max_tokens",
     ),
     ({"model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
 ]
 
 
@@ -530,9 +541,9 @@ def test_burst_of_malformed_requests_among_valid_ones(real, llm: LLM) -> None:
     """Bad requests (the HTTP layer's and one the engine refuses) interleaved with valid ones."""
     url = real[0]
     refused = {"model": MODEL, "prompt": "x", "speculative": {"method": "draft_model", "draft_model": "nope"}}
-    bad = [body for body, _, _ in BAD_COMPLETIONS] + [refused]
+    bad = [refused] + [body for body, _, _ in BAD_COMPLETIONS]
     good = [f"the {k} tea in {k % 3}" for k in range(12)]
-    jobs = [job for pair in zip(bad, good * 2, strict=False) for job in pair]
+    jobs = [job for pair in zip(bad, good * 3, strict=False) for job in pair]
 
     def send(job) -> tuple[int, str]:
         if job in good:

@@ -42,20 +42,21 @@ from specdecode.serving.metrics import render
 from specdecode.spec_config import SpecConfig, parse_speculative
 
 MAX_N = 128  # choices per prompt, as OpenAI allows
-# Parameters OpenAI defines that this server does not implement: refused when set, never ignored.
-UNSUPPORTED = (
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "echo",
-    "suffix",
-    "best_of",
-    "tools",
-    "tool_choice",
-    "response_format",
-    "logprobs",
-    "top_logprobs",
-)
+# Parameters OpenAI defines that this server does not implement, with the value that means "off":
+# any other value is refused (naming the parameter), never silently ignored.
+UNSUPPORTED: dict[str, Any] = {
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logit_bias": {},
+    "echo": False,
+    "suffix": "",
+    "best_of": 1,
+    "tools": [],
+    "tool_choice": "none",
+    "response_format": {"type": "text"},
+    "logprobs": False,  # chat's flag; completions' `logprobs: 0` (the sampled token's) is refused too
+    "top_logprobs": 0,
+}
 
 # ---- errors ------------------------------------------------------------------------------------
 
@@ -291,9 +292,9 @@ class Server:
 
     @staticmethod
     def check_supported(body: GenerationBody) -> None:
-        for name in UNSUPPORTED:
+        for name, off in UNSUPPORTED.items():
             value = (body.model_extra or {}).get(name)
-            if value not in (None, False, 0, [], {}):
+            if value is not None and not (value == off and isinstance(value, bool) == isinstance(off, bool)):
                 raise APIError(400, f"{name} is not supported by this server", param=name)
 
     def check_prompt(self, ids: list[int], field: str) -> None:
