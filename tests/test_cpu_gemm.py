@@ -83,3 +83,19 @@ def test_tiled_model_matches_untiled(tiny_model_dir) -> None:
         steps_b = [plain(ids[:, i : i + 1], pos[:, i : i + 1], c2) for i in range(20)]
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(torch.cat(steps_a, 1), torch.cat(steps_b, 1), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(cpu_gemm.kernel_bf16() is None, reason="no AVX512_BF16 CPU or C++ compiler here")
+@pytest.mark.parametrize("m", [1, 4, 13, 30])
+def test_bf16_kernel_sums_bf16_products_in_float32(m: int) -> None:
+    """The screening head's product: inputs and weights rounded to bfloat16, then float32 sums
+    (so within float32 rounding of the exact product of the rounded operands)."""
+    gen = torch.Generator().manual_seed(m)
+    x, w = torch.randn(m, 576, generator=gen), torch.randn(576, 960, generator=gen) * 0.05
+    got = cpu_gemm.tiled_matmul_bf16(x, cpu_gemm.tile_weight_bf16(w))  # (M, N)
+    want = x.bfloat16().double() @ w.bfloat16().double()
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-4)
+    # and each row alone equals the row in the batch
+    tiles = cpu_gemm.tile_weight_bf16(w)
+    alone = torch.cat([cpu_gemm.tiled_matmul_bf16(x[i : i + 1], tiles) for i in range(m)])
+    assert torch.equal(alone, got)

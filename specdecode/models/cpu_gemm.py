@@ -52,8 +52,8 @@ def _compile(compiler: str, source: Path, out: Path) -> None:
 
 
 @functools.cache
-def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """The compiled `specdecode_tiled_mm`, or None where it cannot run here."""
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where they cannot run here."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
     flags = _cpu_flags()
@@ -69,12 +69,28 @@ def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
         if not lib_path.is_file():
             lib_path.parent.mkdir(parents=True, exist_ok=True)
             _compile(compiler, _SOURCE, lib_path)
-        fn = ctypes.CDLL(str(lib_path)).specdecode_tiled_mm
+        # torch is imported already, so the kernels' libgomp.so.1 is torch's: one thread pool
+        lib = ctypes.CDLL(str(lib_path))
     except (OSError, RuntimeError):
         return None
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn  # torch is imported already, so the kernel's libgomp.so.1 is torch's: one thread pool
+    for fn in (lib.specdecode_tiled_mm, lib.specdecode_tiled_mm_bf16):
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        fn.restype = ctypes.c_int
+    return lib
+
+
+@functools.cache
+def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The float32 few-row matmul `specdecode_tiled_mm`, or None where it cannot run here."""
+    lib = _library()
+    return None if lib is None else lib.specdecode_tiled_mm
+
+
+@functools.cache
+def kernel_bf16() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The bfloat16 one (`specdecode_tiled_mm_bf16`), where the CPU has AVX512_BF16."""
+    lib = _library()
+    return None if lib is None or "avx512_bf16" not in _cpu_flags().split() else lib.specdecode_tiled_mm_bf16
 
 
 def tile_weight(weight_t: torch.Tensor) -> torch.Tensor:
@@ -105,4 +121,25 @@ def tiled_matmul(x: torch.Tensor, tiled: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     y = torch.empty(m, t * w)
     fn(x.data_ptr(), tiled.data_ptr(), y.data_ptr(), m, k, t * w, torch.get_num_threads())
+    return y
+
+
+def tile_weight_bf16(weight_t: torch.Tensor) -> torch.Tensor:
+    """(K, N) -> bfloat16 (N / 32, K / 2, 32, 2): per tile, each pair of k's weights side by side
+    for each of its 32 columns (the operand layout of the bf16 kernel)."""
+    k, n = weight_t.shape
+    w = weight_t.detach().bfloat16().reshape(k // 2, 2, n // TILE, TILE)  # (K/2, 2, T, 32)
+    return w.permute(2, 0, 3, 1).contiguous()
+
+
+def tiled_matmul_bf16(x: torch.Tensor, tiled: torch.Tensor) -> torch.Tensor:
+    """Approximately x (M, K) @ W for W tiled by `tile_weight_bf16`: x rounded to bfloat16,
+    products summed in float32. Returns (M, N) float32. Needs `kernel_bf16()`."""
+    fn = kernel_bf16()
+    if fn is None:
+        raise RuntimeError("the bfloat16 CPU kernel is not available here")
+    t, k2, w, _ = tiled.shape
+    xb = x.to(torch.bfloat16).contiguous()
+    y = torch.empty(x.shape[0], t * w)
+    fn(xb.data_ptr(), tiled.data_ptr(), y.data_ptr(), x.shape[0], 2 * k2, t * w, torch.get_num_threads())
     return y

@@ -179,6 +179,8 @@ class Transformer(nn.Module):
         self._tied_t: torch.Tensor | None = None
         self._screen_key: tuple[int, int] | None = None
         self._screen: tuple[torch.Tensor, float, float] | None = None
+        self._screen_tiles_key: tuple[int, int] | None = None
+        self._screen_tiles: torch.Tensor | None = None  # (V/32, C/2, 32, 2) bfloat16, see cpu_gemm
 
     @property
     def device(self) -> torch.device:
@@ -245,20 +247,20 @@ class Transformer(nn.Module):
         copy screens every token, and only the tokens whose screened logit could still be the
         maximum (within a rigorous bound on the bfloat16 error) are recomputed in float32. The
         bound covers rounding the weights (max row error norm), the input (its error norm),
-        the output (2^-8 relative) and float32 accumulation; a row with too many candidates
-        falls back to the full float32 product."""
+        the output (2^-8 relative, where oneDNN rounds it) and float32 accumulation; a row with
+        too many candidates falls back to the full float32 product."""
         flat = hidden.reshape(-1, hidden.shape[-1])
         if self.dtype != torch.float32 or flat.device.type != "cpu":
             return self.logits(flat).argmax(-1).tolist()
-        head, err_max, norm_max = self._screening_head()
+        _, err_max, norm_max = self._screening_head()
         x = flat.float()  # (M, C)
         xb = x.bfloat16()
-        approx = F.linear(xb, head).float()  # (M, V)
+        approx = self.approx_logits(x)  # (M, V)
         top = approx.max(-1).values  # (M,)
         xn, dxn = x.norm(dim=-1), (x - xb.float()).norm(dim=-1)  # (M,)
-        bound = (
-            xn * err_max + dxn * norm_max + 1e-4 * xn * norm_max + approx.abs().max(-1).values / 128 + 1e-5
-        )
+        bound = xn * err_max + dxn * norm_max + 1e-4 * xn * norm_max + 1e-5
+        if self._screen_tiles is None:  # oneDNN rounded the outputs to bfloat16 as well
+            bound = bound + approx.abs().max(-1).values / 128
         candidates = approx >= (top - 2 * bound).unsqueeze(1)  # (M, V)
         head_t = self.head_weight_t()  # (C, V)
         out = []
@@ -269,6 +271,27 @@ class Transformer(nn.Module):
             else:
                 out.append(int(idx[(x[r] @ head_t[:, idx]).argmax()]))
         return out
+
+    def approx_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(M, C) -> (M, V) float32 logits through the bfloat16 copy of the LM head, on CPU in
+        float32 (elsewhere exact `logits`): for drafts and for screening, never for a decision.
+        Inputs are rounded to bfloat16 and products summed in float32 by our kernel where the CPU
+        has AVX512_BF16 (oneDNN's bf16 path also rounds the outputs to bfloat16, and at one row
+        takes as long as the float32 head)."""
+        if self.dtype != torch.float32 or hidden.device.type != "cpu":
+            return self.logits(hidden)
+        head = self._screening_head()[0]
+        key = self._head_key()
+        if self._screen_tiles_key != key:
+            self._screen_tiles = None
+            v, c = head.shape
+            if cpu_gemm.kernel_bf16() is not None and v % cpu_gemm.TILE == 0 and c % 2 == 0:
+                with torch.inference_mode(False), torch.no_grad():
+                    self._screen_tiles = cpu_gemm.tile_weight_bf16(head.t())
+            self._screen_tiles_key = key
+        if self._screen_tiles is not None:
+            return cpu_gemm.tiled_matmul_bf16(hidden, self._screen_tiles)
+        return F.linear(hidden.bfloat16(), head).float()
 
     def _screening_head(self) -> tuple[torch.Tensor, float, float]:
         """bfloat16 LM head (V, C) with its max row rounding-error norm and max row norm, remade
