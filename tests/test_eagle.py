@@ -95,6 +95,21 @@ def test_greedy_equals_plain_greedy_with_random_heads(target: Transformer, name:
         assert spec.stats.num_draft_tokens > 0
 
 
+def test_draft_vocabulary_limits_the_drafts(target: Transformer, tmp_path: Path) -> None:
+    """A head with a draft vocabulary drafts only its ids, stays exact, and keeps it on disk."""
+    head = random_head(target)
+    head.draft_vocab = torch.arange(0, 96, 3)  # every third id
+    head = load_head(save_head(head, tmp_path / "h", target="tiny", dtype=torch.float32))
+    assert head.draft_vocab is not None and head.draft_vocab.tolist() == list(range(0, 96, 3))
+    for name in ("eagle, paths only, wide", "eagle2, defaults"):
+        drafter = DRAFTERS[name](head, target)
+        tree = proposal(drafter, target, PROMPTS["mixed"]).tree
+        assert tree.num_nodes > 0 and all(t % 3 == 0 for t in tree.tokens.tolist())
+        for prompt in PROMPTS.values():
+            spec = run(target, prompt, DRAFTERS[name](head, target), greedy(24))
+            assert spec.output_ids == run(target, prompt, None, greedy(24)).output_ids
+
+
 def oracle(vocab: int = 96, seed: int = 5) -> tuple[Transformer, EagleHead]:
     """A one-layer target without attention output, and the head that reproduces it."""
     target = tiny_transformer(vocab, seed=seed, layers=1, hidden=32, std=0.5)
@@ -164,9 +179,19 @@ class UnconditionalLiar(EagleDrafter):
         return Proposal(DraftTree(tree.tokens, tree.parents, q[first]))
 
 
+def with_vocab(head: EagleHead, ids: list[int]) -> EagleHead:
+    """The same weights drafting from `ids` only."""
+    other = EagleHead(head.layer_config, head.fc_bias, head.input_norm, draft_vocab=torch.tensor(ids))
+    other.load_state_dict(head.state_dict())
+    return other.eval()
+
+
 SAMPLED: dict[str, Make] = {
     "eagle, wide tree": lambda h, t: EagleDrafter.static(h, t, [[0, 0], [1, 0], [2], [0, 1]]),
     "eagle2": lambda h, t: EagleDrafter.dynamic(h, t, depth=3, top_k=3, total_tokens=6),
+    "eagle2, draft vocabulary of 5": lambda h, t: EagleDrafter.dynamic(
+        with_vocab(h, [0, 2, 3, 5, 6]), t, depth=3, top_k=3, total_tokens=6
+    ),
 }
 
 
@@ -434,7 +459,7 @@ def test_train_command_end_to_end(tiny_dir: Path, tmp_path: Path, capsys: pytest
         "train", "eagle", "--model", str(tiny_dir), "--data", str(data), "--out", str(out),
         "--max-len", "96", "--epochs", "2", "--batch-size", "4", "--heldout", "5",
         "--eval-prompts", "2", "--eval-tokens", "24", "--tree-nodes", "6", "--tree-depth", "3",
-        "--dtype", "float32", "--self-distill", "--feature-batch-size", "8",
+        "--dtype", "float32", "--self-distill", "--feature-batch-size", "8", "--draft-vocab", "40",
     ]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
@@ -444,6 +469,8 @@ def test_train_command_end_to_end(tiny_dir: Path, tmp_path: Path, capsys: pytest
     assert report["heldout_tau_eagle"] >= 1.0 and report["heldout_tau_eagle2"] >= 1.0
     head = load_head(out)
     assert head.choices is not None and len(head.choices) == 6
+    assert head.draft_vocab is not None and head.draft_vocab.numel() == 40
+    assert 0 < report["draft_vocab_heldout_coverage"] <= 1
 
     llm = LLM(model=str(tiny_dir), progress=False)
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)

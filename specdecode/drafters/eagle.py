@@ -56,6 +56,7 @@ from specdecode.attention import AttentionPlan, Segment
 from specdecode.drafters.base import Drafter, Proposal, StepResult
 from specdecode.errors import SpecDecodeError
 from specdecode.kv_cache import KVCache
+from specdecode.models import cpu_gemm
 from specdecode.models.config import ModelConfig
 from specdecode.models.transformer import Block, Dense, Rotary, Transformer
 from specdecode.sampling import SamplingParams, logits_to_probs
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
     from specdecode.engine import Request
 
 WEIGHTS = "eagle.safetensors"
+DRAFT_VOCAB = "draft_vocab"  # optional tensor of the weights file: the ids the head drafts from
 CONFIG = "config.json"
 REFERENCE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 SHIPPED = Path(__file__).resolve().parents[1] / "heads"
@@ -82,8 +84,10 @@ class EagleHead(nn.Module):
     `Block`); outputs the guess of f_{t+1}. The embedding and LM head are the target's, passed in.
 
     `layer` is the shape of the layer as a 1-layer `ModelConfig` (its `vocab_size` names the
-    target's vocabulary, which the head drafts from). `input_norm` False: EAGLE-1's layer has no
-    norm before attention. `choices`: the static tree fitted at training time, if any.
+    target's vocabulary). `input_norm` False: EAGLE-1's layer has no norm before attention.
+    `choices`: the static tree fitted at training time, if any. `draft_vocab` (V',) long: the
+    token ids the head drafts from (None: all), as EAGLE-3 does; on a CPU the LM head is most of
+    a draft step's cost and answers use a small part of a 49k vocabulary.
     """
 
     def __init__(
@@ -92,9 +96,12 @@ class EagleHead(nn.Module):
         fc_bias: bool = True,
         input_norm: bool = False,
         choices: Sequence[Sequence[int]] | None = None,
+        draft_vocab: Tensor | None = None,
     ) -> None:
         super().__init__()
         self.layer_config = dataclasses.replace(layer, num_layers=1)
+        self.draft_vocab = None if draft_vocab is None else torch.unique(draft_vocab.long())  # (V',) sorted
+        self._draft_weight: tuple[tuple[int, int, torch.dtype], Tensor] | None = None
         self.hidden_size, self.vocab_size = layer.hidden_size, layer.vocab_size
         self.fc_bias, self.input_norm = fc_bias, input_norm
         self.choices = None if choices is None else [list(c) for c in choices]
@@ -106,6 +113,22 @@ class EagleHead(nn.Module):
     def for_target(cls, target: ModelConfig) -> EagleHead:
         """A fresh head shaped like one layer of `target` (what training starts from)."""
         return cls(dataclasses.replace(target, num_layers=1))
+
+    def draft_weight(self, target: Transformer) -> Tensor:
+        """The target's LM head rows of the draft vocabulary, (V', C), cached: bfloat16 for a
+        float32 target on a CPU (a draft needs plausible, not exact, logits; AMX/AVX512-BF16 make
+        it several times faster), else the target's dtype. Remade when the head changes."""
+        head_t = target.head_weight_t()  # (C, V)
+        low = target.dtype == torch.float32 and head_t.device.type == "cpu"
+        dtype = torch.bfloat16 if low else head_t.dtype
+        key = (head_t.data_ptr(), head_t._version, dtype)
+        if self._draft_weight is None or self._draft_weight[0] != key:
+            with torch.inference_mode(False), torch.no_grad():
+                rows = head_t.detach().t()  # (V, C)
+                if self.draft_vocab is not None:
+                    rows = rows[self.draft_vocab.to(rows.device)]
+                self._draft_weight = key, rows.to(dtype).contiguous()
+        return self._draft_weight[1]
 
     def new_cache(self, max_len: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
         return KVCache(self.layer_config, max_len, 1, dtype, device)
@@ -146,6 +169,7 @@ class EagleHead(nn.Module):
             **{k: getattr(layer, k) for k in LAYER_KEYS},
             "fc_bias": self.fc_bias,
             "input_norm": self.input_norm,
+            "draft_vocab_size": None if self.draft_vocab is None else int(self.draft_vocab.numel()),
         }
 
 
@@ -168,6 +192,8 @@ def save_head(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {n: t.detach().to("cpu", dtype).contiguous() for n, t in head.state_dict().items()}
+    if head.draft_vocab is not None:
+        tensors[DRAFT_VOCAB] = head.draft_vocab.to("cpu", torch.int64).contiguous()
     with atomic_file(out / WEIGHTS) as tmp:
         save_file(tensors, str(tmp))
     config = {**head.config(), "target": target, "dtype": str(dtype).removeprefix("torch.")}
@@ -229,12 +255,18 @@ def _load_ours(path: Path, config: dict[str, Any]) -> EagleHead:
             num_layers=1,
             **{k: config[k] for k in LAYER_KEYS},
         )
+        state = _read_tensors(path / WEIGHTS)
+        vocab = state.pop(DRAFT_VOCAB, None)
         head = EagleHead(
-            layer, bool(config["fc_bias"]), bool(config["input_norm"]), config.get("eagle_choices")
+            layer, bool(config["fc_bias"]), bool(config["input_norm"]), config.get("eagle_choices"), vocab
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecDecodeError(f"{path / CONFIG} is not a specdecode EAGLE config ({exc!r})") from None
-    _load_state(head, _read_tensors(path / WEIGHTS), path / WEIGHTS)
+    if vocab is not None and (vocab.dim() != 1 or not 0 < vocab.numel() <= layer.vocab_size):
+        raise SpecDecodeError(f"{path / WEIGHTS}: {DRAFT_VOCAB} must list at most {layer.vocab_size} ids")
+    if vocab is not None and bool(((vocab < 0) | (vocab >= layer.vocab_size)).any()):
+        raise SpecDecodeError(f"{path / WEIGHTS}: {DRAFT_VOCAB} holds ids outside the vocabulary")
+    _load_state(head, state, path / WEIGHTS)
     return head
 
 
@@ -302,7 +334,12 @@ def load_head(
                 f"{' / '.join(REFERENCE_WEIGHTS)} + {CONFIG} (EAGLE reference)"
             )
         head = _load_reference(found[0], config)
-    return head.to(device=device, dtype=dtype).eval()
+    head = head.to(device=device, dtype=dtype).eval()
+    if torch.device(device).type == "cpu" and dtype == torch.float32 and cpu_gemm.kernel() is not None:
+        # Drafting runs the layer on a few rows at a time: the target's few-row kernel layout.
+        for dense in (head.fc, head.layer.qkv, head.layer.o, head.layer.gate_up, head.layer.down):
+            dense.tile()
+    return head
 
 
 def shipped_head(model_name: str) -> Path:
@@ -362,7 +399,7 @@ class _Node:
     depth: int
     rank: int  # among its parent's candidates, 0 = drawn first
     score: float  # cumulative log draft probability of its slot (see `_Growth.children`)
-    q: Tensor | None  # (V,) the distribution its token was drawn from (sampling only)
+    q: Tensor | None  # (V',) the distribution its token was drawn from (sampling only)
     slot: int | None = None  # its pair's slot in the head cache, once expanded
 
 
@@ -395,14 +432,14 @@ class _Growth:
         return self.distributions(self.drafter.last[None])[0]
 
     def distributions(self, guesses: Tensor) -> Tensor:
-        """(R, C) head outputs -> (R, V) draft distributions."""
-        logits = self.drafter.draft_logits(guesses)  # (R, V)
+        """(R, C) head outputs -> (R, V') draft distributions over the draft vocabulary."""
+        logits = self.drafter.draft_logits(guesses)  # (R, V')
         if self.params.greedy:
             return logits.softmax(-1)
         return logits_to_probs(logits, self.params)
 
     def children(self, parents: list[int], q: Tensor, k: int) -> list[list[int]]:
-        """Add up to k candidates under each parent (rows of q (R, V)); their node indices."""
+        """Add up to k candidates under each parent (rows of q (R, V')); their node indices."""
         values, top = q.topk(k, dim=-1)  # (R, k) each, descending
         if self.params.greedy:
             tokens = top
@@ -411,6 +448,7 @@ class _Growth:
             gumbel = q.log() - (-u.log()).log()  # (R, V); -inf outside q's support
             tokens = gumbel.topk(k, dim=-1).indices  # (R, k): k draws without replacement, in order
         logv = values.clamp(min=0).log().tolist()
+        ids = tokens if self.drafter.vocab is None else self.drafter.vocab[tokens]  # (R, k) token ids
         out: list[list[int]] = []
         for row, parent in enumerate(parents):
             base = 0.0 if parent < 0 else self.nodes[parent].score
@@ -420,12 +458,11 @@ class _Growth:
             for r in range(k):
                 if logv[row][r] == float("-inf"):
                     break  # fewer than k tokens have mass
-                token = int(tokens[row, r])
                 cond = None
                 if remaining is not None:
                     cond = remaining / remaining.sum()
-                    remaining[token] = 0.0
-                self.nodes.append(_Node(token, parent, depth, r, base + logv[row][r], cond))
+                    remaining[tokens[row, r]] = 0.0
+                self.nodes.append(_Node(int(ids[row, r]), parent, depth, r, base + logv[row][r], cond))
                 made.append(len(self.nodes) - 1)
             out.append(made)
         return out
@@ -469,7 +506,12 @@ class _Growth:
         )
         probs = None
         if not self.params.greedy and order:
-            probs = torch.stack([self.nodes[i].q for i in order]).float()  # type: ignore[misc]
+            q = torch.stack([self.nodes[i].q for i in order]).float()  # type: ignore[misc]  # (N, V')
+            if self.drafter.vocab is None:
+                probs = q
+            else:  # over the target's vocabulary: zero outside the draft vocabulary
+                probs = q.new_zeros(len(order), self.head.vocab_size)
+                probs[:, self.drafter.vocab] = q
         return DraftTree(tokens, parents, probs)
 
 
@@ -499,6 +541,7 @@ class EagleDrafter(Drafter):
         check_fits(head, target)
         self.head, self.target = head, target
         self.embed = target.embed
+        self.vocab = None if head.draft_vocab is None else head.draft_vocab.to(target.device)  # (V',)
         self.grow = grow  # EAGLE-2's (depth, top_k, total_tokens); None: the static tree
         self.paths: tuple[tuple[int, ...], ...] = ()
         if grow is None:
@@ -534,13 +577,10 @@ class EagleDrafter(Drafter):
         return cls(head, target, grow=(depth, top_k, total_tokens))
 
     def draft_logits(self, guesses: Tensor) -> Tensor:
-        """(R, C) -> (R, V) float32 logits of the target's LM head. On CPU in float32 through a
-        bfloat16 copy (the target's, cached): a draft needs plausible, not exact, logits, and
-        what is declared to the verifier is computed from these very logits."""
-        if self.target.dtype == torch.float32 and guesses.device.type == "cpu":
-            weight = self.target._screening_head()[0]  # (V, C) bfloat16
-            return F.linear(guesses.to(weight.dtype), weight).float()
-        return self.target.logits(guesses)
+        """(R, C) -> (R, V') float32 logits of the target's LM head over the draft vocabulary
+        (`EagleHead.draft_weight`); what is declared to the verifier comes from these very logits."""
+        weight = self.head.draft_weight(self.target)  # (V', C)
+        return F.linear(guesses.to(weight.dtype), weight).float()
 
     # ---- the decided pairs: the head cache holds exactly these between steps -------------------
 

@@ -80,6 +80,7 @@ class TrainSettings:
     noise: float = 0.2
     tree_nodes: int = 24
     tree_depth: int = 5
+    draft_vocab: int = 16384
     eval_prompts: int = 4
     eval_tokens: int = 128
     max_steps: int | None = None
@@ -208,17 +209,51 @@ def fit(
     return {"loss": losses.mean, "acc": accs.mean}
 
 
+def draft_vocabulary(data: Features, size: int, vocab_size: int) -> Tensor | None:
+    """The `size` token ids a head drafts from (None: all): every token the assistant wrote in
+    the training data, most frequent first, then the lowest unseen ids (BPE vocabularies put
+    their most common merges first). Sorted ascending."""
+    if size <= 0 or size >= vocab_size:
+        return None
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids, mask in zip(data.ids, data.mask, strict=True):
+        counts += torch.bincount(ids[mask], minlength=vocab_size)
+    seen = counts.argsort(descending=True, stable=True)[: int((counts > 0).sum())]
+    unseen = (counts == 0).nonzero().squeeze(1)
+    return torch.cat([seen, unseen])[:size].sort().values
+
+
+def coverage(data: Features, vocab: Tensor | None) -> float:
+    """Share of the assistant's tokens in `data` that `vocab` holds."""
+    if vocab is None:
+        return 1.0
+    tokens = torch.cat([ids[mask] for ids, mask in zip(data.ids, data.mask, strict=True)])
+    return float(torch.isin(tokens, vocab).float().mean()) if tokens.numel() else float("nan")
+
+
 @torch.no_grad()
-def depth_rank_counts(head: EagleHead, target: Transformer, data: Features, depth: int) -> Tensor:
+def depth_rank_counts(
+    head: EagleHead, target: Transformer, data: Features, depth: int, vocab: Tensor | None = None
+) -> Tensor:
     """(depth, MAX_RANK + 1) counts: [d, r] positions where the right token at depth d+1 is the
     head's r-th guess (r < MAX_RANK; [d, MAX_RANK]: lower), given the d tokens before it right.
 
     Depth 1 is teacher-forced (true features); depth d+1 feeds the head its own guess from depth
     d with the right token, as drafting along a correct path does. All starts t of a sequence
     run at once: pass d writes one pair per start after the earlier passes, and start t's pair
-    sees the true pairs 0..t and its own pairs of earlier passes.
+    sees the true pairs 0..t and its own pairs of earlier passes. With a draft `vocab` (V',)
+    the ranks are among its tokens, and a token outside it counts as ranked too low.
     """
-    lm_weight = target.head_weight_t()
+    lm_weight = target.head_weight_t().float()  # (C, V)
+    vocab_size = lm_weight.shape[1]
+    if vocab is not None:
+        vocab = vocab.to(lm_weight.device)
+        lm_weight = lm_weight[:, vocab]  # (C, V')
+    # position of each token id among the drafted logits' columns; -1: not drafted
+    column = torch.full((vocab_size,), -1, dtype=torch.long, device=lm_weight.device)
+    column[vocab if vocab is not None else torch.arange(vocab_size, device=lm_weight.device)] = torch.arange(
+        lm_weight.shape[1], device=lm_weight.device
+    )
     counts = torch.zeros(depth, MAX_RANK + 1, dtype=torch.long)
     for ids, mask, hidden in zip(data.ids, data.mask, data.hidden, strict=True):
         n = int(ids.shape[0]) - 2  # pairs (starts)
@@ -242,9 +277,11 @@ def depth_rank_counts(head: EagleHead, target: Transformer, data: Features, dept
                 own = torch.eye(n, dtype=torch.bool, device=target.device).repeat(1, d)  # (n, n*d)
                 mask_d = torch.cat([true_part, own], dim=1)  # (n, n*(d+1))
             g = head.run(cache, target.embed(ids[tok_at]).float(), feats, start + d, mask_d)  # (n, C)
-            logits = g @ lm_weight.float()  # (n, V)
-            right = logits.gather(-1, ids[label_at][:, None])  # (n, 1)
+            logits = g @ lm_weight  # (n, V')
+            col = column[ids[label_at]]  # (n,)
+            right = logits.gather(-1, col.clamp(min=0)[:, None])  # (n, 1)
             rank = (logits > right).sum(-1).clamp(max=MAX_RANK)  # (n,)
+            rank[col < 0] = MAX_RANK
             counts[d] += torch.bincount(rank[ok].cpu(), minlength=MAX_RANK + 1)
             ok = ok & (rank == 0)  # deeper depths count only along a right path
             feats = g
@@ -269,7 +306,8 @@ def train(settings: TrainSettings) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     eval_target = prep.eval_target()
-    counts = depth_rank_counts(head, eval_target, prep.heldout, settings.tree_depth)  # (D, R+1)
+    head.draft_vocab = draft_vocabulary(prep.train, settings.draft_vocab, target.config.vocab_size)
+    counts = depth_rank_counts(head, eval_target, prep.heldout, settings.tree_depth, head.draft_vocab)
     totals = counts.sum(1).clamp(min=1)  # (D,)
     rank_probs = (counts[:, :MAX_RANK] / totals[:, None]).tolist()
     top1 = [round(p[0], 4) for p in rank_probs]
@@ -279,6 +317,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         "heldout_top1_by_depth": top1,
         "heldout_top5_by_depth": top5,
         "heldout_positions": int(totals[0]),
+        "draft_vocab_heldout_coverage": round(coverage(prep.heldout, head.draft_vocab), 4),
         "train_sequences": len(prep.train),
         "train_positions": positions,
         "train_loss": round(figures["loss"], 4) if math.isfinite(figures["loss"]) else None,
@@ -312,6 +351,11 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"held-out top-1 accuracy of the drafted token by depth: {' '.join(f'{a:.3f}' for a in top1)}")
     print(f"held-out top-5 accuracy by depth: {' '.join(f'{a:.3f}' for a in top5)}")
+    if head.draft_vocab is not None:
+        print(
+            f"draft vocabulary: {head.draft_vocab.numel()} ids, holding "
+            f"{report['draft_vocab_heldout_coverage']:.3f} of the held-out answer tokens"
+        )
     print(
         f"held-out τ (greedy decoding, {len(chosen)} prompts, {settings.eval_tokens} tokens): "
         f"EAGLE-1 (fitted tree of {len(head.choices)} nodes) {tau1:.3f}, EAGLE-2 (defaults) {tau2:.3f}"
@@ -332,6 +376,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tree-nodes", type=int, default=d.tree_nodes, help="nodes of the fitted EAGLE-1 tree")
     p.add_argument("--tree-depth", type=int, default=d.tree_depth, help="depths measured for the tree fit")
+    p.add_argument(
+        "--draft-vocab", type=int, default=d.draft_vocab, help="token ids the head drafts from (0: all)"
+    )
 
 
 def main_args(args: argparse.Namespace) -> None:
@@ -347,5 +394,6 @@ def main_args(args: argparse.Namespace) -> None:
         noise=args.noise,
         tree_nodes=args.tree_nodes,
         tree_depth=args.tree_depth,
+        draft_vocab=args.draft_vocab,
     )
     train(settings)
