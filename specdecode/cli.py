@@ -232,6 +232,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
     main_args(args)
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> None:
+    from specdecode.bench.serve import main_args
+
+    main_args(args)
+
+
 def _speculative_json(text: str) -> dict[str, object] | None:
     try:
         value = json.loads(text)
@@ -337,6 +343,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench_rt.add_argument("--repeats", type=_positive_int, default=5)
     bench_rt.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     bench_rt.set_defaults(func=cmd_bench_runtime)
+
+    bench_srv = sub.add_parser(
+        "bench-serve", help="serving engine under load: tok/s and TTFT vs streams, speculation off/on/policy"
+    )
+    add_model_args(bench_srv)
+    from specdecode.bench.serve import add_args as add_bench_serve_args
+
+    add_bench_serve_args(bench_srv)
+    bench_srv.set_defaults(func=cmd_bench_serve)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (in-flight batching, speculation)")
     add_model_args(srv)

@@ -392,3 +392,20 @@ def test_accept_rates_shrink_and_never_increase() -> None:
     assert rates[0] == pytest.approx((9 + 4 * 0.5) / 14)
     assert rates[2] <= rates[1] == pytest.approx((1 + 4 * 0.25) / 14)
     assert rates[3] <= rates[2]
+
+
+@pytest.mark.real
+def test_smollm2_batch_equals_solo() -> None:
+    llm = LLM(model="smollm2-135m", progress=False)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    texts = ["The capital of France is", "def add(a, b):", "1, 2, 3, 4, 5,", "Once upon a time"]
+    specs: list[dict | None] = [None, {"method": "prompt_lookup"}] * 2
+    ps = [llm.tokenizer.encode(t, add_special_tokens=True) for t in texts]
+    expected = {str(i): alone(llm, p, params, s) for i, (p, s) in enumerate(zip(ps, specs, strict=True))}
+    engine = ServingEngine(llm, ServingConfig(kv_cache_memory=64 * 2**20, latency_curve=FLAT_CURVE))
+    requests = [
+        ServeRequest(str(i), p, params, parse_speculative(s))
+        for i, (p, s) in enumerate(zip(ps, specs, strict=True))
+    ]
+    assert serve(engine, requests, per_step=2) == expected
+    assert engine.stats.kv_blocks_used == 0
