@@ -99,3 +99,17 @@ def test_bf16_kernel_sums_bf16_products_in_float32(m: int) -> None:
     tiles = cpu_gemm.tile_weight_bf16(w)
     alone = torch.cat([cpu_gemm.tiled_matmul_bf16(x[i : i + 1], tiles) for i in range(m)])
     assert torch.equal(alone, got)
+
+
+@pytest.mark.skipif(cpu_gemm.kernel_bf16() is None, reason="no AVX512_BF16 CPU or C++ compiler here")
+def test_bf16_dense_tiles_for_few_rows_and_untiles_for_many() -> None:
+    dense = Dense(64, 96, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        dense.bias.normal_()
+    matrix = dense.weight_t.detach().clone()
+    assert dense.tile() and dense.weight_tiles is not None and dense.weight_tiles.dim() == 4
+    assert torch.equal(dense.matrix(), matrix)
+    for m in (3, 40):  # the kernel, then the untiled bf16 matmul
+        x = torch.randn(m, 64).bfloat16()
+        want = (x.double() @ matrix.double() + dense.bias.double()).bfloat16()
+        torch.testing.assert_close(dense(x), want, rtol=2e-2, atol=2e-2)

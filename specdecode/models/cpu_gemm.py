@@ -132,6 +132,12 @@ def tile_weight_bf16(weight_t: torch.Tensor) -> torch.Tensor:
     return w.permute(2, 0, 3, 1).contiguous()
 
 
+def untile_weight_bf16(tiled: torch.Tensor) -> torch.Tensor:
+    """(N / 32, K / 2, 32, 2) -> (K, N) bfloat16, the inverse of `tile_weight_bf16`."""
+    t, k2, w, _ = tiled.shape
+    return tiled.permute(1, 3, 0, 2).reshape(2 * k2, t * w)
+
+
 def tiled_matmul_bf16(x: torch.Tensor, tiled: torch.Tensor) -> torch.Tensor:
     """Approximately x (M, K) @ W for W tiled by `tile_weight_bf16`: x rounded to bfloat16,
     products summed in float32. Returns (M, N) float32. Needs `kernel_bf16()`."""

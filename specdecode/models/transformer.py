@@ -30,8 +30,9 @@ from specdecode.models.config import ModelConfig
 
 
 class Dense(nn.Module):
-    """y = x @ W (+ bias), with W stored (in, out) as `weight_t`, or, after `tile()`, in 32-column
-    tiles as `weight_tiles` (N / 32, in, 32): the layout of the few-row CPU kernel (cpu_gemm)."""
+    """y = x @ W (+ bias), with W stored (in, out) as `weight_t`, or, after `tile()`, in the tiles
+    of the few-row CPU kernels (cpu_gemm) as `weight_tiles`: (N / 32, in, 32) for float32,
+    (N / 32, in / 2, 32, 2) for bfloat16."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -40,30 +41,44 @@ class Dense(nn.Module):
         self.register_parameter("weight_tiles", None)
 
     def tile(self) -> bool:
-        """Re-store the weight in tiles (frozen: for inference); False where the width does not
-        split into tiles, which leaves the module as it was."""
+        """Re-store the weight in tiles (frozen: for inference); False where the shape does not
+        split into tiles or no kernel takes the dtype, which leaves the module as it was."""
         w = self.weight_t.detach()
         if w.shape[1] % cpu_gemm.TILE:
             return False
+        if w.dtype == torch.float32 and cpu_gemm.kernel() is not None:
+            tiles = cpu_gemm.tile_weight(w)
+        elif w.dtype == torch.bfloat16 and cpu_gemm.kernel_bf16() is not None and w.shape[0] % 2 == 0:
+            tiles = cpu_gemm.tile_weight_bf16(w)
+        else:
+            return False
         del self.weight_t  # one copy of the weights, not two
-        self.weight_tiles = nn.Parameter(cpu_gemm.tile_weight(w), requires_grad=False)
+        self.weight_tiles = nn.Parameter(tiles, requires_grad=False)
         return True
 
     def matrix(self) -> torch.Tensor:
         """The weight as (in, out), whichever way it is stored (a copy when tiled)."""
-        return self.weight_t if self.weight_tiles is None else cpu_gemm.untile_weight(self.weight_tiles)
+        if self.weight_tiles is None:
+            return self.weight_t
+        if self.weight_tiles.dim() == 4:
+            return cpu_gemm.untile_weight_bf16(self.weight_tiles)
+        return cpu_gemm.untile_weight(self.weight_tiles)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x (..., in) -> (..., out)
         flat = x.reshape(-1, x.shape[-1])
-        if self.weight_tiles is not None:
-            y = cpu_gemm.tiled_matmul(flat, self.weight_tiles)
-            if self.bias is not None:
-                y += self.bias
-        elif self.bias is None:
-            y = flat @ self.weight_t
-        else:
-            y = torch.addmm(self.bias, flat, self.weight_t)
+        tiles = self.weight_tiles
+        if tiles is None:
+            y = flat @ self.weight_t if self.bias is None else torch.addmm(self.bias, flat, self.weight_t)
+            return y.view(*x.shape[:-1], y.shape[-1])
+        if tiles.dim() == 3:
+            y = cpu_gemm.tiled_matmul(flat, tiles)
+        elif flat.shape[0] <= cpu_gemm.MAX_KERNEL_ROWS and flat.is_cpu:
+            y = cpu_gemm.tiled_matmul_bf16(flat, tiles).to(flat.dtype)
+        else:  # a prefill chunk: oneDNN's bf16 matmul blocks over many rows far better
+            y = flat @ cpu_gemm.untile_weight_bf16(tiles)
+        if self.bias is not None:
+            y += self.bias
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -280,18 +295,25 @@ class Transformer(nn.Module):
         takes as long as the float32 head)."""
         if self.dtype != torch.float32 or hidden.device.type != "cpu":
             return self.logits(hidden)
-        head = self._screening_head()[0]
+        tiles = self._bf16_head_tiles()
+        if tiles is not None:
+            return cpu_gemm.tiled_matmul_bf16(hidden, tiles)
+        return F.linear(hidden.bfloat16(), self._screening_head()[0]).float()
+
+    def _bf16_head_tiles(self) -> torch.Tensor | None:
+        """The LM head rounded to bfloat16 in the bf16 kernel's tiles (V/32, C/2, 32, 2), remade
+        when the head changes; None where that kernel does not run. The rounding is the
+        screening head's, so its error figures hold for these tiles too."""
         key = self._head_key()
         if self._screen_tiles_key != key:
             self._screen_tiles = None
-            v, c = head.shape
-            if cpu_gemm.kernel_bf16() is not None and v % cpu_gemm.TILE == 0 and c % 2 == 0:
+            c, v = self.config.hidden_size, self.config.vocab_size
+            usable = self.device.type == "cpu" and v % cpu_gemm.TILE == 0 and c % 2 == 0
+            if usable and cpu_gemm.kernel_bf16() is not None:
                 with torch.inference_mode(False), torch.no_grad():
-                    self._screen_tiles = cpu_gemm.tile_weight_bf16(head.t())
+                    self._screen_tiles = cpu_gemm.tile_weight_bf16(self.head_weight_t().detach())
             self._screen_tiles_key = key
-        if self._screen_tiles is not None:
-            return cpu_gemm.tiled_matmul_bf16(hidden, self._screen_tiles)
-        return F.linear(hidden.bfloat16(), head).float()
+        return self._screen_tiles
 
     def _screening_head(self) -> tuple[torch.Tensor, float, float]:
         """bfloat16 LM head (V, C) with its max row rounding-error norm and max row norm, remade
@@ -308,8 +330,13 @@ class Transformer(nn.Module):
         return self._screen
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., C) hidden states -> (..., V) float32 logits."""
+        """(..., C) hidden states -> (..., V) float32 logits. A bfloat16 model on CPU reads its
+        head through the bf16 kernel for a few rows (float32 sums, at memory speed)."""
         flat = hidden.reshape(-1, hidden.shape[-1])
+        if self.dtype == torch.bfloat16 and flat.is_cpu and flat.shape[0] <= cpu_gemm.MAX_KERNEL_ROWS:
+            tiles = self._bf16_head_tiles()
+            if tiles is not None:
+                return cpu_gemm.tiled_matmul_bf16(flat, tiles).view(*hidden.shape[:-1], -1)
         return (flat @ self.head_weight_t()).view(*hidden.shape[:-1], -1).float()
 
     # ---- weights -------------------------------------------------------------------------------
@@ -381,11 +408,11 @@ class Transformer(nn.Module):
         return model.eval()
 
     def tile_weights(self) -> bool:
-        """On CPU in float32 with the few-row kernel available, store every layer's matrices in
-        its tiles (see cpu_gemm: a verification forward over up to ~12 tokens then costs about
-        what a one-token forward does). The LM head stays (in, out): drafters read it. Returns
-        whether the weights are tiled."""
-        if self.device.type != "cpu" or self.dtype != torch.float32 or cpu_gemm.kernel() is None:
+        """On CPU, in float32 or bfloat16 where the few-row kernels run, store every layer's
+        matrices in their tiles (see cpu_gemm: a verification forward over up to ~12 tokens then
+        costs about what a one-token forward does). The LM head stays (in, out): drafters read
+        it. Returns whether the weights are tiled."""
+        if self.device.type != "cpu":
             return False
         denses = [d for layer in self.layers for d in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         return any([d.tile() for d in denses])
