@@ -79,6 +79,10 @@ class LatencyCurve:
                 best = min(best, time.perf_counter() - t0)
                 cache.truncate(context)
             points.append((t, best))
+        # A forward over more rows never takes less time: a point above a later one was slowed
+        # by something else on the machine, so each keeps the least of itself and those after it.
+        for i in range(len(points) - 2, -1, -1):
+            points[i] = (points[i][0], min(points[i][1], points[i + 1][1]))
         return cls(tuple(points))
 
 
