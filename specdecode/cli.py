@@ -85,6 +85,9 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-model", default=None, help="draft_model / prompt_lookup: the draft model")
     g.add_argument("--num-draft-tokens", "--max-draft-len", type=int, default=None, dest="num_draft_tokens")
     g.add_argument("--use-draft-logits", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument(
+        "--draft-dtype", default=None, help="draft_model / prompt_lookup: auto (default), float32 or bfloat16"
+    )
     g.add_argument("--prompt-lookup-num-tokens", type=int, default=None)
     g.add_argument("--max-matching-ngram-size", type=int, default=None)
     g.add_argument("--lookahead", type=_lookahead, default=None, metavar="W,N,G")
@@ -133,6 +136,7 @@ def speculative_settings(args: argparse.Namespace) -> dict[str, object] | None:
         "draft_model",
         "num_draft_tokens",
         "use_draft_logits",
+        "draft_dtype",
         "prompt_lookup_num_tokens",
         "max_matching_ngram_size",
         *MEDUSA_OPTIONS,

@@ -17,6 +17,7 @@ import torch
 from specdecode.drafters.base import Drafter
 from specdecode.engine import Engine, Request
 from specdecode.errors import SpecDecodeError
+from specdecode.models import cpu_gemm
 from specdecode.models.config import ModelConfig
 from specdecode.models.loader import resolve_model
 from specdecode.models.tokenizer import Tokenizer
@@ -145,7 +146,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(path)
         self.model = Transformer.from_dir(path, dtype=resolve_dtype(dtype), device=resolve_device(device))
         self.engine = Engine(self.model)
-        self._draft_models: dict[str, Transformer] = {}
+        self._draft_models: dict[tuple[str, torch.dtype], Transformer] = {}
         self._medusa_heads: dict[str, MedusaHeads] = {}
         self._redrafter_heads: dict[str, ReDrafterHead] = {}
         self._eagle_heads: dict[str, EagleHead] = {}
@@ -162,9 +163,16 @@ class LLM:
             spec.check_within(self.lookahead_limit)
         return spec
 
-    def draft_model(self, name: str) -> Transformer:
-        """The draft model `name`, loaded once and checked to share the target's vocabulary."""
-        if name not in self._draft_models:
+    def draft_model(self, name: str, dtype: str = "auto") -> Transformer:
+        """The draft model `name` in `dtype` (see `DraftModelConfig.draft_dtype`), loaded once and
+        checked to share the target's vocabulary."""
+        if dtype == "auto":
+            cpu_bf16 = self.model.device.type == "cpu" and cpu_gemm.kernel_bf16() is not None
+            use = torch.bfloat16 if self.model.dtype == torch.float32 and cpu_bf16 else self.model.dtype
+        else:
+            use = resolve_dtype(dtype)
+        key = (name, use)
+        if key not in self._draft_models:
             from specdecode.drafters.draft_model import check_vocabularies
 
             path = resolve_model(name, progress=self.progress)
@@ -176,8 +184,8 @@ class LLM:
                 self.model.config.vocab_size,
                 ModelConfig.from_dir(path).vocab_size,
             )
-            self._draft_models[name] = Transformer.from_dir(path, self.model.dtype, self.model.device)
-        return self._draft_models[name]
+            self._draft_models[key] = Transformer.from_dir(path, use, self.model.device)
+        return self._draft_models[key]
 
     def medusa_heads(self, path: str | None) -> MedusaHeads:
         """Medusa heads from `path` (None: those shipped for this model), loaded once and checked
@@ -223,14 +231,15 @@ class LLM:
         if isinstance(spec, DraftModelConfig):
             from specdecode.drafters.draft_model import DraftModelDrafter
 
-            return DraftModelDrafter(spec, self.draft_model(spec.draft_model), vocab)
+            return DraftModelDrafter(spec, self.draft_model(spec.draft_model, spec.draft_dtype), vocab)
         if isinstance(spec, PromptLookupConfig):
             from specdecode.drafters.draft_model import DraftModelDrafter
             from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 
             fallback = None
             if spec.draft_model is not None:
-                fallback = DraftModelDrafter(spec, self.draft_model(spec.draft_model), vocab)
+                draft = self.draft_model(spec.draft_model, spec.draft_dtype)
+                fallback = DraftModelDrafter(spec, draft, vocab)
             return PromptLookupDrafter(spec, fallback)
         if isinstance(spec, LookaheadConfig):
             from specdecode.drafters.lookahead import LookaheadDrafter

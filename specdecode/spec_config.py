@@ -13,6 +13,14 @@ from typing import Any, ClassVar
 
 from specdecode.errors import SpecDecodeError
 
+DRAFT_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def _draft_dtype(method: str, value: Any) -> None:
+    if value not in DRAFT_DTYPES:
+        choices = ", ".join(DRAFT_DTYPES)
+        raise SpecDecodeError(f"{method}: draft_dtype must be one of {choices}, got {value!r}")
+
 
 def _positive(method: str, name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -25,17 +33,22 @@ class DraftModelConfig:
 
     `use_draft_logits`: verify by rejection sampling with the draft's distribution (on) or by
     matching the draft's tokens as point masses (off). Greedy decoding is token matching either way.
+    `draft_dtype`: the draft's weights; "auto" is bfloat16 for a float32 target on a CPU with the
+    bf16 kernel (half the bytes per draft token; a draft needs no exactness, the verifier decides),
+    else the target's dtype.
     """
 
     method: ClassVar[str] = "draft_model"
     draft_model: str
     num_draft_tokens: int = 4
     use_draft_logits: bool = True
+    draft_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.draft_model, str) or not self.draft_model:
             raise SpecDecodeError("draft_model: draft_model must name a model (short name or path)")
         _positive(self.method, "num_draft_tokens", self.num_draft_tokens)
+        _draft_dtype(self.method, self.draft_dtype)
         if not isinstance(self.use_draft_logits, bool):
             raise SpecDecodeError(
                 f"draft_model: use_draft_logits must be true or false, got {self.use_draft_logits!r}"
@@ -58,8 +71,10 @@ class PromptLookupConfig:
     draft_model: str | None = None
     num_draft_tokens: int = 4
     use_draft_logits: bool = True
+    draft_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        _draft_dtype(self.method, self.draft_dtype)
         _positive(self.method, "prompt_lookup_num_tokens", self.prompt_lookup_num_tokens)
         _positive(self.method, "max_matching_ngram_size", self.max_matching_ngram_size)
         _positive(self.method, "num_candidates", self.num_candidates)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.spec_config import LookaheadConfig, parse_speculative
@@ -85,6 +86,7 @@ BAD = [
     ({"method": "lookahead", "window_size": 0}, "window_size"),
     ({"method": "lookahead", "window_size": 3, "ngram_size": 1, "verification_set_size": 2}, "(1, 1, 0)"),
     ("prompt_lookup", "must be a dictionary"),
+    ({"method": "draft_model", "draft_model": "x", "draft_dtype": "fp8"}, "draft_dtype must be one of"),
 ]
 
 
@@ -158,3 +160,14 @@ def test_cli_method_flags(tiny_paths, capsys: pytest.CaptureFixture[str]) -> Non
     assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
     assert main([*base, "--method", "lookahead", "--num-draft-tokens", "3"]) == 2
     assert "unknown option num_draft_tokens" in capsys.readouterr().err
+
+
+def test_draft_dtype(llm: LLM, tiny_paths) -> None:
+    """auto: a float32 target on a CPU with the bf16 kernel drafts in bfloat16; or as asked."""
+    from specdecode.models import cpu_gemm
+
+    draft = str(tiny_paths[1])
+    auto = torch.bfloat16 if cpu_gemm.kernel_bf16() is not None else torch.float32
+    assert llm.draft_model(draft, "auto").dtype == auto
+    assert llm.draft_model(draft, "float32").dtype == torch.float32
+    assert llm.draft_model(draft, "bfloat16").dtype == torch.bfloat16
