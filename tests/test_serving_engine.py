@@ -392,6 +392,9 @@ def test_accept_rates_shrink_and_never_increase() -> None:
     assert rates[0] == pytest.approx((9 + 4 * 0.5) / 14)
     assert rates[2] <= rates[1] == pytest.approx((1 + 4 * 0.25) / 14)
     assert rates[3] <= rates[2]
+    # With no counts at all the optimistic prior makes a lone request draft, so counts appear.
+    policy = SpeculationPolicy(LatencyCurve(((1, 0.031), (4, 0.049))))
+    assert policy.budgets([Candidate(4, accept_rates([], [], [], 4), 0.0)], 1, 512)[0] > 0
 
 
 @pytest.mark.real

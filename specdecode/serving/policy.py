@@ -15,7 +15,9 @@ The policy maximises the batch's expected tokens per second under two measured m
   forwards for draft_model).
 - gain: a request's d-th draft token adds `p_d` expected tokens, where `p_d` is the rate at which
   its position d was accepted so far (the request's own counts, shrunk towards its method's
-  engine-wide rates, which start from a prior of 0.5^d). p_d never increases with d: depth d+1
+  engine-wide rates, which start from an optimistic prior of 0.8^d: a method the policy never let
+  draft could never show what it is worth, so it starts out drafting and the counts decide).
+  p_d never increases with d: depth d+1
   can only be accepted after depth d.
 
 Every request emits one token per step whatever its draft, so with draft budgets k_i the
@@ -38,6 +40,7 @@ from specdecode.attention import AttentionPlan, Segment
 from specdecode.models.transformer import Transformer
 
 PRIOR_STRENGTH = 4.0  # pseudo-steps a request's own acceptance counts are shrunk with
+PRIOR_RATE = 0.8  # acceptance rate of draft position 1 assumed before any count (optimistic)
 EMA = 0.1  # weight of the newest sample in the running averages
 
 
@@ -143,7 +146,7 @@ def accept_rates(
     out: list[float] = []
     last = 1.0
     for d in range(depth):
-        prior = method_rates[d] if d < len(method_rates) else 0.5 ** (d + 1)
+        prior = method_rates[d] if d < len(method_rates) else PRIOR_RATE ** (d + 1)
         n = own_proposed[d] if d < len(own_proposed) else 0
         a = own_accepted[d] if d < len(own_accepted) else 0
         last = min(last, (a + PRIOR_STRENGTH * prior) / (n + PRIOR_STRENGTH))
@@ -152,7 +155,8 @@ def accept_rates(
 
 
 def method_rates(proposed: list[int], accepted: list[int]) -> list[float]:
-    """A method's engine-wide acceptance rate per position, from a 0.5^d prior worth 2 steps."""
+    """A method's engine-wide acceptance rate per position, from the prior worth 2 steps."""
     return [
-        (a + 2 * 0.5 ** (d + 1)) / (n + 2) for d, (n, a) in enumerate(zip(proposed, accepted, strict=True))
+        (a + 2 * PRIOR_RATE ** (d + 1)) / (n + 2)
+        for d, (n, a) in enumerate(zip(proposed, accepted, strict=True))
     ]
