@@ -412,3 +412,14 @@ def test_smollm2_batch_equals_solo() -> None:
     ]
     assert serve(engine, requests, per_step=2) == expected
     assert engine.stats.kv_blocks_used == 0
+
+
+def test_latency_curve_measures_a_model_whose_context_is_shorter_than_the_batch(tiny_model_dir) -> None:
+    """`max_batch_tokens` beyond the model's context (the tiny models hold 256 positions)
+    measures what fits instead of failing, and extends the curve past it."""
+    from specdecode.models.transformer import Transformer
+
+    model = Transformer.from_dir(tiny_model_dir)
+    curve = LatencyCurve.measure(model, max_tokens=512)
+    assert curve.tokens[-1] <= model.config.max_position_embeddings // 2
+    assert curve(512) >= curve(curve.tokens[-1]) > 0

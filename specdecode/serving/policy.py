@@ -65,8 +65,11 @@ class LatencyCurve:
     def measure(cls, model: Transformer, max_tokens: int, context: int = 64) -> LatencyCurve:
         """Time forwards of 1, 2, 4, ... `max_tokens` new tokens after a `context`-token prefix
         (best of two after a warm-up each): a few seconds on a CPU for a small model."""
+        # A model with a short context cannot hold `max_tokens` rows after a prefix: measure
+        # what fits (the curve is extended linearly past its last point).
+        max_tokens = max(1, min(max_tokens, model.config.max_position_embeddings // 2))
         sizes = sorted({min(2**i, max_tokens) for i in range(max_tokens.bit_length() + 1)})
-        context = min(context, model.config.max_position_embeddings - max_tokens)
+        context = max(1, min(context, model.config.max_position_embeddings - max_tokens))
         cache = model.new_cache(context + max_tokens)
         ids = torch.zeros(1, context + max_tokens, dtype=torch.long, device=model.device)
         model(ids[:, :context], torch.arange(context, device=model.device)[None], cache)
