@@ -198,14 +198,15 @@ class ReDrafterConfig:
     drafter shipped for the target model. `beam_width` beams of `beam_length` tokens, the root
     (the last decided token) counted as in the reference implementation: each beam drafts
     `beam_length - 1` tokens and the tree has at most `beam_width * (beam_length - 1)` nodes
-    (fewer where beams share prefixes). The defaults (4, 5: up to 16 nodes, typically ~11)
-    suit SmolLM2-135M on a CPU, where one forward over 16 new tokens costs ~2.3x one over 1.
+    (fewer where beams share prefixes). The defaults (2, 4: at most 6 nodes) were the fastest
+    of (2, 4), (4, 5) and (8, 5) for the shipped SmolLM2-135M drafter on Spec-Bench on a CPU
+    (specdecode/heads/README.md): wider beams accept more but their beam steps cost more.
     """
 
     method: ClassVar[str] = "redrafter"
     head: str | None = None
-    beam_width: int = 4
-    beam_length: int = 5
+    beam_width: int = 2
+    beam_length: int = 4
 
     def __post_init__(self) -> None:
         if self.head is not None and (not isinstance(self.head, str) or not self.head):

@@ -333,8 +333,8 @@ def test_bad_settings_name_the_setting(spec: dict, words: str) -> None:
 
 
 def test_settings_and_cli_flags() -> None:
-    spec = parse_speculative({"method": "redrafter", "beam_width": 2})
-    assert spec == ReDrafterConfig(head=None, beam_width=2, beam_length=5)
+    spec = parse_speculative({"method": "redrafter", "beam_length": 4})
+    assert spec == ReDrafterConfig(head=None, beam_width=2, beam_length=4)
     args = build_parser().parse_args(["generate", "--prompt", "x", "--beam-width", "3", "--head", "/d"])
     assert speculative_settings(args) == {"method": "redrafter", "head": "/d", "beam_width": 3}
     args = build_parser().parse_args(
@@ -564,4 +564,4 @@ def test_shipped_drafter_on_smollm2() -> None:
     spec = llm.generate([ids], params)[0]
     plain = llm.generate([ids], params, speculative=None)[0]
     assert spec.token_ids == plain.token_ids
-    assert spec.stats.mean_accepted_length >= 1.5, spec.stats.mean_accepted_length
+    assert spec.stats.mean_accepted_length >= 1.3, spec.stats.mean_accepted_length
