@@ -9,7 +9,7 @@ prompt without its last token, and plain decoding is simply a step with an empty
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -185,14 +185,27 @@ class StepPlan:
 def verify_greedy_rows(
     model: Transformer, tree: DraftTree, hidden: torch.Tensor, root_best: int | None = None
 ) -> Verdict:
-    """`verify_greedy` from hidden rows (N+1, C), running the LM head on the root row first. On a
-    small model the head costs about a third of a forward and several rows cost much more than
-    one; when no child of the root is the target's choice (the most common outcome) that one row
-    decides."""
-    best = [root_best] if root_best is not None else model.greedy_tokens(hidden[:1])
-    if not bool((tree.tokens[tree.parents == 0] == best[0]).any()):
-        return Verdict([], best)
-    return greedy_walk(tree, best + model.greedy_tokens(hidden[1:]))
+    """`verify_greedy` from hidden rows (N+1, C): one screening pass of the LM head over the rows
+    (on CPU a few rows cost about what one does), then exact tokens resolved only along the walk.
+    `root_best` is the root row's token when the caller has it already."""
+    if root_best is None:
+        return greedy_walk(tree, model.greedy_rows(hidden))
+    if not bool((tree.tokens[tree.parents == 0] == root_best).any()):
+        return Verdict([], [root_best])
+    return greedy_walk(tree, _Rooted(root_best, model.greedy_rows(hidden[1:])))
+
+
+class _Rooted(Sequence[int]):
+    """`[root, *rest]` without reading `rest` (lazy greedy rows) until asked."""
+
+    def __init__(self, root: int, rest: Sequence[int]) -> None:
+        self.root, self.rest = root, rest
+
+    def __len__(self) -> int:
+        return 1 + len(self.rest)
+
+    def __getitem__(self, i: int) -> int:  # type: ignore[override]
+        return self.root if i == 0 else self.rest[i - 1]
 
 
 class Engine:

@@ -23,6 +23,7 @@ shape (N+1, V)) is the distribution of the token that follows node i (row 0: fol
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -77,7 +78,7 @@ def verify_greedy(tree: DraftTree, target_logits: Tensor) -> Verdict:
     return greedy_walk(tree, target_logits.argmax(dim=-1).tolist())
 
 
-def greedy_walk(tree: DraftTree, best: list[int]) -> Verdict:
+def greedy_walk(tree: DraftTree, best: Sequence[int]) -> Verdict:
     """`verify_greedy` given `best[i]`, the target's greedy token after node i (N+1 ints), for
     callers that obtain the argmax without materialising every row's logits."""
     children = tree.children()

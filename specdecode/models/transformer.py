@@ -16,6 +16,7 @@ kernel (`cpu_gemm`), where a forward over up to ~12 new tokens costs about what 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -180,6 +181,48 @@ class Block(nn.Module):
         return x + self.down(F.silu(gate) * up)
 
 
+class GreedyRows(Sequence[int]):
+    """Exact greedy tokens of float32 rows on CPU, at about half the LM head's bytes.
+
+    The LM head is the largest matrix of a small model and costs much of a step: a bfloat16 copy
+    screens every token of every row in one pass (`Transformer.approx_logits`), and a row's
+    tokens whose screened logit could still be the maximum (within a rigorous bound on the
+    bfloat16 error) are recomputed in float32 when the row is read. The bound covers rounding the
+    weights (max row error norm), the input (its error norm), the output (2^-8 relative, where
+    oneDNN rounds it) and float32 accumulation; a row with too many candidates falls back to
+    the full float32 product.
+    """
+
+    def __init__(self, model: Transformer, hidden: torch.Tensor) -> None:
+        _, err_max, norm_max = model._screening_head()
+        x = hidden.float()  # (M, C)
+        xb = x.bfloat16()
+        approx = model.approx_logits(x)  # (M, V)
+        top = approx.max(-1).values  # (M,)
+        xn, dxn = x.norm(dim=-1), (x - xb.float()).norm(dim=-1)  # (M,)
+        bound = xn * err_max + dxn * norm_max + 1e-4 * xn * norm_max + 1e-5
+        if model._screen_tiles is None:  # oneDNN rounded the outputs to bfloat16 as well
+            bound = bound + approx.abs().max(-1).values / 128
+        self._candidates = approx >= (top - 2 * bound).unsqueeze(1)  # (M, V)
+        self._x = x
+        self._head_t = model.head_weight_t()  # (C, V)
+        self._tokens: list[int | None] = [None] * x.shape[0]
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __getitem__(self, r: int) -> int:  # type: ignore[override]
+        token = self._tokens[r]
+        if token is None:
+            idx = self._candidates[r].nonzero().squeeze(1)  # (K,) ascending: ties go to the lowest id
+            if idx.numel() > 256:
+                token = int((self._x[r] @ self._head_t).argmax())
+            else:
+                token = int(idx[(self._x[r] @ self._head_t[:, idx]).argmax()])
+            self._tokens[r] = token
+        return token
+
+
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -256,36 +299,17 @@ class Transformer(nn.Module):
         return w.data_ptr(), w._version
 
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int]:
-        """Exact `logits(hidden).argmax(-1)` for (M, C) hidden states, reading half the bytes.
+        """Exact `logits(hidden).argmax(-1)` for (M, C) hidden states, reading half the bytes
+        (see `GreedyRows`)."""
+        return list(self.greedy_rows(hidden))
 
-        On CPU in float32 the LM head is the largest matrix and, for a few rows, slow: a bfloat16
-        copy screens every token, and only the tokens whose screened logit could still be the
-        maximum (within a rigorous bound on the bfloat16 error) are recomputed in float32. The
-        bound covers rounding the weights (max row error norm), the input (its error norm),
-        the output (2^-8 relative, where oneDNN rounds it) and float32 accumulation; a row with
-        too many candidates falls back to the full float32 product."""
+    def greedy_rows(self, hidden: torch.Tensor) -> Sequence[int]:
+        """The exact greedy token of each of the (M, C) rows, screened in one pass, each row
+        resolved when first read: a verifier walking a draft tree reads only its accepted path."""
         flat = hidden.reshape(-1, hidden.shape[-1])
         if self.dtype != torch.float32 or flat.device.type != "cpu":
             return self.logits(flat).argmax(-1).tolist()
-        _, err_max, norm_max = self._screening_head()
-        x = flat.float()  # (M, C)
-        xb = x.bfloat16()
-        approx = self.approx_logits(x)  # (M, V)
-        top = approx.max(-1).values  # (M,)
-        xn, dxn = x.norm(dim=-1), (x - xb.float()).norm(dim=-1)  # (M,)
-        bound = xn * err_max + dxn * norm_max + 1e-4 * xn * norm_max + 1e-5
-        if self._screen_tiles is None:  # oneDNN rounded the outputs to bfloat16 as well
-            bound = bound + approx.abs().max(-1).values / 128
-        candidates = approx >= (top - 2 * bound).unsqueeze(1)  # (M, V)
-        head_t = self.head_weight_t()  # (C, V)
-        out = []
-        for r in range(x.shape[0]):
-            idx = candidates[r].nonzero().squeeze(1)  # (K,) ascending: ties go to the lowest id
-            if idx.numel() > 256:
-                out.append(int((x[r] @ head_t).argmax()))
-            else:
-                out.append(int(idx[(x[r] @ head_t[:, idx]).argmax()]))
-        return out
+        return GreedyRows(self, flat)
 
     def approx_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(M, C) -> (M, V) float32 logits through the bfloat16 copy of the LM head, on CPU in
