@@ -254,14 +254,15 @@ class Eagle2Config:
 
     `depth` levels; at each, the `top_k` nodes of highest cumulative draft probability are
     expanded into `top_k` candidates each; then the `total_tokens` nodes of highest cumulative
-    probability are verified. The defaults (5, 8, 24) suit SmolLM2-135M on a CPU.
+    probability are verified. The defaults (4, 4, 11) were the fastest measured for SmolLM2-135M
+    on a CPU (larger trees accept more but cost more than they save there).
     """
 
     method: ClassVar[str] = "eagle2"
     head: str | None = None
-    depth: int = 5
-    top_k: int = 8
-    total_tokens: int = 24
+    depth: int = 4
+    top_k: int = 4
+    total_tokens: int = 11
 
     def __post_init__(self) -> None:
         _head_path(self.method, self.head)

@@ -126,7 +126,7 @@ def oracle(vocab: int = 96, seed: int = 5) -> tuple[Transformer, EagleHead]:
 
 @pytest.mark.parametrize(
     "name,per_step",
-    [("eagle, chain", 4), ("eagle2, narrow deep", 7), ("eagle2, defaults", 6)],
+    [("eagle, chain", 4), ("eagle2, narrow deep", 7), ("eagle2, defaults", 5)],
 )
 def test_oracle_head_is_always_accepted(name: str, per_step: int) -> None:
     """Every step emits depth + 1 tokens but the last (cut by max_tokens): drafts at every depth
@@ -303,7 +303,7 @@ def test_bad_settings_name_the_setting(spec: dict, words: str) -> None:
 
 
 def test_settings_defaults_and_choice_ranks(target: Transformer) -> None:
-    assert parse_speculative({"method": "eagle2"}) == Eagle2Config(depth=5, top_k=8, total_tokens=24)
+    assert parse_speculative({"method": "eagle2"}) == Eagle2Config(depth=4, top_k=4, total_tokens=11)
     assert parse_speculative({"method": "eagle", "eagle_choices": [[0], [1, 0]]}) == EagleConfig(
         eagle_choices=((0,), (1, 0))
     )
@@ -491,11 +491,14 @@ def test_train_command_end_to_end(tiny_dir: Path, tmp_path: Path, capsys: pytest
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("method", ["eagle", "eagle2"])
-def test_shipped_head_on_smollm2(method: str) -> None:
+def test_shipped_head_on_smollm2() -> None:
+    """The shipped head loads by default for SmolLM2-135M and both trees decode exactly like
+    plain greedy decoding, accepting drafts."""
     llm = LLM(model="smollm2-135m", progress=False)
     ids = llm.chat_prompt([{"role": "user", "content": "Write a short poem about the sea."}])
-    params = SamplingParams(max_tokens=48, temperature=0)
-    spec = llm.generate([ids], params, speculative={"method": method})[0]
-    assert spec.token_ids == llm.generate([ids], params)[0].token_ids
-    assert spec.stats.mean_accepted_length > 1.5
+    params = SamplingParams(max_tokens=32, temperature=0)
+    plain = llm.generate([ids], params)[0].token_ids
+    for method in ("eagle", "eagle2"):
+        spec = llm.generate([ids], params, speculative={"method": method})[0]
+        assert spec.token_ids == plain, method
+        assert spec.stats.mean_accepted_length > 1.3, method

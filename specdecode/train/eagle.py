@@ -78,7 +78,7 @@ class TrainSettings:
     feature_batch_size: int = 32
     ce_weight: float = 0.1
     noise: float = 0.2
-    tree_nodes: int = 24
+    tree_nodes: int = 11
     tree_depth: int = 5
     draft_vocab: int = 16384
     eval_prompts: int = 4
