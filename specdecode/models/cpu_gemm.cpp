@@ -6,6 +6,7 @@
 // Each output is one running sum over k in ascending order, whatever M, the row's block or the
 // thread count: a row's result is bitwise the same alone or in any batch.
 #include <immintrin.h>
+#include <omp.h>
 
 #include <cstdint>
 
@@ -50,11 +51,18 @@ void tiles(const float* __restrict x, int64_t K, const float* __restrict w, floa
 
 template <int MB>
 void rows(const float* x, const float* w, float* y, int64_t K, int64_t N, int threads) {
+    // Each thread takes an equal contiguous run of tiles (within one tile), in groups of G and
+    // then singly: an uneven split leaves a thread idle while memory is the bottleneck.
     constexpr int G = MB == 1 ? 4 : (MB <= 6 ? 2 : 1);
-    const int64_t n_tiles = N / kTile, groups = n_tiles / G;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < groups; ++t) tiles<MB, G>(x, K, w + t * G * K * kTile, y + t * G * kTile, N);
-    for (int64_t t = groups * G; t < n_tiles; ++t) tiles<MB, 1>(x, K, w + t * K * kTile, y + t * kTile, N);
+    const int64_t n_tiles = N / kTile;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t begin = n_tiles * me / parts, end = n_tiles * (me + 1) / parts;
+        int64_t t = begin;
+        for (; t + G <= end; t += G) tiles<MB, G>(x, K, w + t * K * kTile, y + t * kTile, N);
+        for (; t < end; ++t) tiles<MB, 1>(x, K, w + t * K * kTile, y + t * kTile, N);
+    }
 }
 
 using RowsFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int);
@@ -94,9 +102,13 @@ __attribute__((target("avx512f,avx512bf16"))) void tile_bf16(const uint32_t* __r
 
 template <int MB>
 void rows_bf16(const uint32_t* x, const uint16_t* w, float* y, int64_t K2, int64_t N, int threads) {
-    const int64_t tiles = N / kTile;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tiles; ++t) tile_bf16<MB>(x, K2, w + t * K2 * 2 * kTile, y + t * kTile, N);
+    const int64_t n_tiles = N / kTile;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t begin = n_tiles * me / parts, end = n_tiles * (me + 1) / parts;
+        for (int64_t t = begin; t < end; ++t) tile_bf16<MB>(x, K2, w + t * K2 * 2 * kTile, y + t * kTile, N);
+    }
 }
 
 using RowsBf16Fn = void (*)(const uint32_t*, const uint16_t*, float*, int64_t, int64_t, int);
