@@ -42,7 +42,6 @@ Checkpoints are directories in one of two layouts:
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +52,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdecode.attention import AttentionPlan, Segment
+from specdecode.drafters import checkpoint
 from specdecode.drafters.base import Drafter, Proposal, StepResult
+from specdecode.drafters.checkpoint import CONFIG
 from specdecode.errors import SpecDecodeError
 from specdecode.kv_cache import KVCache
 from specdecode.models import cpu_gemm
@@ -67,9 +68,7 @@ if TYPE_CHECKING:
 
 WEIGHTS = "eagle.safetensors"
 DRAFT_VOCAB = "draft_vocab"  # optional tensor of the weights file: the ids the head drafts from
-CONFIG = "config.json"
 REFERENCE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
-SHIPPED = Path(__file__).resolve().parents[1] / "heads"
 # EAGLE-2 defaults for SmolLM2-135M on a CPU, picked by measured speed (specdecode/heads/README.md):
 # the few-row kernel verifies up to 12 rows (root + 11 nodes) at about one row's cost, and each
 # depth costs a head forward plus an LM-head pass over the draft vocabulary.
@@ -186,65 +185,14 @@ def save_head(
     extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write `head` in specdecode's layout to the directory `out`; weights stored as `dtype`."""
-    from safetensors.torch import save_file
-
-    from specdecode.models.cache import atomic_file
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {n: t.detach().to("cpu", dtype).contiguous() for n, t in head.state_dict().items()}
+    tensors = {n: t.detach().to("cpu", dtype) for n, t in head.state_dict().items()}
     if head.draft_vocab is not None:
-        tensors[DRAFT_VOCAB] = head.draft_vocab.to("cpu", torch.int64).contiguous()
-    with atomic_file(out / WEIGHTS) as tmp:
-        save_file(tensors, str(tmp))
+        tensors[DRAFT_VOCAB] = head.draft_vocab.to("cpu", torch.int64)
     config = {**head.config(), "target": target, "dtype": str(dtype).removeprefix("torch.")}
     if head.choices is not None:
         config["eagle_choices"] = head.choices
     config.update(extra or {})
-    # One key per line, each value on its line: a fitted tree stays readable.
-    text = "{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in config.items()) + "\n}\n"
-    with atomic_file(out / CONFIG) as tmp:
-        tmp.write_text(text)
-    return out
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    file = path / CONFIG
-    if not file.is_file():
-        return {}
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SpecDecodeError(f"{file} is not valid JSON ({exc})") from None
-    return config if isinstance(config, dict) else {}
-
-
-def _read_tensors(file: Path) -> dict[str, Tensor]:
-    try:
-        if file.suffix == ".bin":
-            state = torch.load(file, map_location="cpu", weights_only=True)
-        else:
-            from safetensors.torch import load_file
-
-            state = load_file(str(file))
-    except Exception as exc:  # safetensors and torch.load raise many types for a damaged file
-        raise SpecDecodeError(f"cannot read EAGLE weights {file}: {exc}") from None
-    if not isinstance(state, dict):
-        raise SpecDecodeError(f"{file} does not hold a state dict")
-    return state
-
-
-def _load_state(head: EagleHead, state: dict[str, Tensor], source: Path) -> None:
-    expected = {k: v for k, v in head.state_dict().items()}
-    missing = sorted(expected.keys() - state.keys())
-    if missing:
-        raise SpecDecodeError(f"{source} is missing EAGLE weights, e.g. {missing[0]!r}")
-    for name, param in expected.items():
-        if state[name].shape != param.shape:
-            raise SpecDecodeError(
-                f"{source}: weight {name} has shape {tuple(state[name].shape)}, expected {tuple(param.shape)}"
-            )
-    head.load_state_dict({name: state[name] for name in expected})
+    return checkpoint.save(Path(out), WEIGHTS, tensors, config)
 
 
 def _load_ours(path: Path, config: dict[str, Any]) -> EagleHead:
@@ -256,7 +204,7 @@ def _load_ours(path: Path, config: dict[str, Any]) -> EagleHead:
             num_layers=1,
             **{k: config[k] for k in LAYER_KEYS},
         )
-        state = _read_tensors(path / WEIGHTS)
+        state = checkpoint.read_tensors(path / WEIGHTS, "EAGLE")
         vocab = state.pop(DRAFT_VOCAB, None)
         head = EagleHead(
             layer, bool(config["fc_bias"]), bool(config["input_norm"]), config.get("eagle_choices"), vocab
@@ -267,14 +215,14 @@ def _load_ours(path: Path, config: dict[str, Any]) -> EagleHead:
         raise SpecDecodeError(f"{path / WEIGHTS}: {DRAFT_VOCAB} must list at most {layer.vocab_size} ids")
     if vocab is not None and bool(((vocab < 0) | (vocab >= layer.vocab_size)).any()):
         raise SpecDecodeError(f"{path / WEIGHTS}: {DRAFT_VOCAB} holds ids outside the vocabulary")
-    _load_state(head, state, path / WEIGHTS)
+    checkpoint.load_state(head, state, path / WEIGHTS, "EAGLE")
     return head
 
 
 def _load_reference(file: Path, config: dict[str, Any]) -> EagleHead:
     """The EAGLE reference layout: a Llama/Qwen2 decoder layer named as in Hugging Face files
     (q/k/v and gate/up separate, (out, in) matrices) under `layers.0.`, and `fc`."""
-    state = _read_tensors(file)
+    state = checkpoint.read_tensors(file, "EAGLE")
     if "fc.weight" not in state or "layers.0.self_attn.q_proj.weight" not in state:
         raise SpecDecodeError(f"{file} is not an EAGLE checkpoint: no fc.weight / layers.0 weights")
     hf = dict(config)
@@ -311,7 +259,7 @@ def _load_reference(file: Path, config: dict[str, Any]) -> EagleHead:
         ours["layer.qkv.bias"] = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
     if head.input_norm:
         ours["layer.attn_norm.weight"] = state[p + "input_layernorm.weight"]
-    _load_state(head, ours, file)
+    checkpoint.load_state(head, ours, file, "EAGLE")
     return head
 
 
@@ -319,10 +267,7 @@ def load_head(
     path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> EagleHead:
     """An EAGLE head from a directory in either layout (see the module docstring)."""
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        raise SpecDecodeError(f"EAGLE head {root}: no such directory")
-    config = _read_config(root)
+    root, config = checkpoint.open_directory(path, "EAGLE head")
     if (root / WEIGHTS).is_file():
         if config.get("method") != "eagle":
             raise SpecDecodeError(f"{root / CONFIG} is missing or not an EAGLE config (method != 'eagle')")
@@ -345,25 +290,12 @@ def load_head(
 
 def shipped_head(model_name: str) -> Path:
     """The EAGLE head directory shipped for the model `model_name` (a short name), or a clear error."""
-    path = SHIPPED / model_name / "eagle"
-    if (path / WEIGHTS).is_file():
-        return path
-    have = sorted(p.parent.name for p in SHIPPED.glob("*/eagle") if (p / WEIGHTS).is_file())
-    raise SpecDecodeError(
-        f"no EAGLE head ships for model {model_name!r} (shipped for: {', '.join(have) or 'none'}); "
-        f"train one with `specdecode train eagle --model {model_name} --data FILE --out DIR` "
-        "and pass head=DIR"
-    )
+    return checkpoint.shipped(model_name, "eagle", WEIGHTS, "EAGLE head")
 
 
 def check_fits(head: EagleHead, target: Transformer, source: str = "the EAGLE head") -> None:
     """The head reads the target's features and embeddings and drafts its token ids."""
-    cfg = target.config
-    if head.hidden_size != cfg.hidden_size or head.vocab_size != cfg.vocab_size:
-        raise SpecDecodeError(
-            f"{source} was trained for another target: hidden size {head.hidden_size}, vocabulary "
-            f"{head.vocab_size}; this target has hidden size {cfg.hidden_size}, vocabulary {cfg.vocab_size}"
-        )
+    checkpoint.check_fits(head.hidden_size, head.vocab_size, target, source)
 
 
 # ------------------------------------------------------------------------------------------------

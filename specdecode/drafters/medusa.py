@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import heapq
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,7 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specdecode.drafters import checkpoint
 from specdecode.drafters.base import Drafter, Proposal, StepResult
+from specdecode.drafters.checkpoint import CONFIG
 from specdecode.errors import SpecDecodeError
 from specdecode.models.transformer import Transformer
 from specdecode.tree import DraftTree, from_choices
@@ -51,9 +52,7 @@ if TYPE_CHECKING:
     from specdecode.engine import Request
 
 WEIGHTS = "medusa.safetensors"
-CONFIG = "config.json"
 REFERENCE_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
-SHIPPED = Path(__file__).resolve().parents[1] / "heads"
 DEFAULT_TREE_NODES = 32  # one forward over 33 tokens costs ~2.7x one token for SmolLM2 on a CPU
 
 
@@ -148,62 +147,12 @@ def save_heads(
     extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write `heads` in specdecode's layout to the directory `out`; weights stored as `dtype`."""
-    from safetensors.torch import save_file
-
-    from specdecode.models.cache import atomic_file
-
-    out = Path(out)
-    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in heads.state_dict().items()}
-    with atomic_file(out / WEIGHTS) as tmp:
-        save_file(tensors, str(tmp))
+    tensors = {name: t.detach().to("cpu", dtype) for name, t in heads.state_dict().items()}
     config = {**heads.config(), "target": target, "dtype": str(dtype).removeprefix("torch.")}
     if heads.choices is not None:
         config["medusa_choices"] = heads.choices
     config.update(extra or {})
-    # One key per line, each value on its line: a tree of 32 paths stays readable.
-    text = "{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in config.items()) + "\n}\n"
-    with atomic_file(out / CONFIG) as tmp:
-        tmp.write_text(text)
-    return out
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    file = path / CONFIG
-    if not file.is_file():
-        return {}
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SpecDecodeError(f"{file} is not valid JSON ({exc})") from None
-    return config if isinstance(config, dict) else {}
-
-
-def _read_tensors(file: Path) -> dict[str, Tensor]:
-    try:
-        if file.suffix == ".pt":
-            state = torch.load(file, map_location="cpu", weights_only=True)
-        else:
-            from safetensors.torch import load_file
-
-            state = load_file(str(file))
-    except Exception as exc:  # safetensors and torch.load raise many types for a damaged file
-        raise SpecDecodeError(f"cannot read Medusa weights {file}: {exc}") from None
-    if not isinstance(state, dict):
-        raise SpecDecodeError(f"{file} does not hold a state dict")
-    return state
-
-
-def _load_state(heads: MedusaHeads, state: dict[str, Tensor], source: Path) -> None:
-    expected = heads.state_dict()
-    missing = sorted(expected.keys() - state.keys())
-    if missing:
-        raise SpecDecodeError(f"{source} is missing Medusa weights, e.g. {missing[0]!r}")
-    for name, param in expected.items():
-        if state[name].shape != param.shape:
-            raise SpecDecodeError(
-                f"{source}: weight {name} has shape {tuple(state[name].shape)}, expected {tuple(param.shape)}"
-            )
-    heads.load_state_dict({name: state[name] for name in expected})
+    return checkpoint.save(Path(out), WEIGHTS, tensors, config)
 
 
 def _load_ours(path: Path, config: dict[str, Any]) -> MedusaHeads:
@@ -218,14 +167,14 @@ def _load_ours(path: Path, config: dict[str, Any]) -> MedusaHeads:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecDecodeError(f"{path / CONFIG} is not a specdecode Medusa config ({exc!r})") from None
-    _load_state(heads, _read_tensors(path / WEIGHTS), path / WEIGHTS)
+    checkpoint.load_state(heads, checkpoint.read_tensors(path / WEIGHTS, "Medusa"), path / WEIGHTS, "Medusa")
     return heads
 
 
 def _load_reference(file: Path, config: dict[str, Any]) -> MedusaHeads:
     """The Medusa reference layout: head i is `nn.Sequential(ResBlock * L, Linear(C, V))`, so its
     blocks are `{i}.{j}.linear.*` and its LM head `{i}.{L}.weight`."""
-    state = _read_tensors(file)
+    state = checkpoint.read_tensors(file, "Medusa")
     try:
         num_heads = int(config.get("medusa_num_heads") or 1 + max(int(k.split(".")[0]) for k in state))
         num_layers = int(config.get("medusa_num_layers", 1))
@@ -239,7 +188,7 @@ def _load_reference(file: Path, config: dict[str, Any]) -> MedusaHeads:
             for kind in ("weight", "bias"):
                 renamed[f"blocks.{i}.{j}.linear.{kind}"] = state.get(f"{i}.{j}.linear.{kind}")  # type: ignore[assignment]
         renamed[f"lm_heads.{i}.weight"] = state.get(f"{i}.{num_layers}.weight")  # type: ignore[assignment]
-    _load_state(heads, {k: v for k, v in renamed.items() if v is not None}, file)
+    checkpoint.load_state(heads, {k: v for k, v in renamed.items() if v is not None}, file, "Medusa")
     return heads
 
 
@@ -247,10 +196,7 @@ def load_heads(
     path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> MedusaHeads:
     """Medusa heads from a directory in either layout (see the module docstring)."""
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        raise SpecDecodeError(f"Medusa heads {root}: no such directory")
-    config = _read_config(root)
+    root, config = checkpoint.open_directory(path, "Medusa heads")
     if (root / WEIGHTS).is_file():
         if config.get("method") != "medusa":
             raise SpecDecodeError(f"{root / CONFIG} is missing or not a Medusa config (method != 'medusa')")
@@ -268,25 +214,12 @@ def load_heads(
 
 def shipped_heads(model_name: str) -> Path:
     """The heads directory shipped for the model `model_name` (a short name), or a clear error."""
-    path = SHIPPED / model_name / "medusa"
-    if (path / WEIGHTS).is_file():
-        return path
-    have = sorted(p.parent.name for p in SHIPPED.glob("*/medusa") if (p / WEIGHTS).is_file())
-    raise SpecDecodeError(
-        f"no Medusa heads ship for model {model_name!r} (shipped for: {', '.join(have) or 'none'}); "
-        f"train some with `specdecode train medusa --model {model_name} --data FILE --out DIR` "
-        "and pass heads=DIR"
-    )
+    return checkpoint.shipped(model_name, "medusa", WEIGHTS, "Medusa heads", plural=True)
 
 
 def check_fits(heads: MedusaHeads, target: Transformer, source: str = "Medusa heads") -> None:
     """Heads read the target's hidden states and produce its token ids: both sizes must match."""
-    cfg = target.config
-    if heads.hidden_size != cfg.hidden_size or heads.vocab_size != cfg.vocab_size:
-        raise SpecDecodeError(
-            f"{source} were trained for another target: hidden size {heads.hidden_size}, vocabulary "
-            f"{heads.vocab_size}; this target has hidden size {cfg.hidden_size}, vocabulary {cfg.vocab_size}"
-        )
+    checkpoint.check_fits(heads.hidden_size, heads.vocab_size, target, source, plural=True)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -49,7 +49,6 @@ Checkpoints are directories, in one of two layouts:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,7 +57,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specdecode.drafters import checkpoint
 from specdecode.drafters.base import Drafter, Proposal, StepResult
+from specdecode.drafters.checkpoint import CONFIG
 from specdecode.drafters.medusa import ResBlock
 from specdecode.errors import SpecDecodeError
 from specdecode.models.transformer import Transformer
@@ -68,10 +69,8 @@ if TYPE_CHECKING:
     from specdecode.engine import Request
 
 WEIGHTS = "redrafter.safetensors"
-CONFIG = "config.json"
 REFERENCE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 REFERENCE_MODEL_TYPE = "recurrent_drafting_drafter"
-SHIPPED = Path(__file__).resolve().parents[1] / "heads"
 
 
 class ReDrafterHead(nn.Module):
@@ -263,59 +262,11 @@ def save_head(
     extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write `head` in specdecode's layout to the directory `out`; weights stored as `dtype`."""
-    from safetensors.torch import save_file
-
-    from specdecode.models.cache import atomic_file
-
-    out = Path(out)
-    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in head.state_dict().items()}
+    tensors = {name: t.detach().to("cpu", dtype) for name, t in head.state_dict().items()}
     if head.draft_vocab.numel():
         tensors["draft_vocab"] = head.draft_vocab.to("cpu")
-    with atomic_file(out / WEIGHTS) as tmp:
-        save_file(tensors, str(tmp))
     config = {**head.config(), "target": target, "dtype": str(dtype).removeprefix("torch."), **(extra or {})}
-    with atomic_file(out / CONFIG) as tmp:
-        tmp.write_text(json.dumps(config, indent=1) + "\n")
-    return out
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    file = path / CONFIG
-    if not file.is_file():
-        return {}
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SpecDecodeError(f"{file} is not valid JSON ({exc})") from None
-    return config if isinstance(config, dict) else {}
-
-
-def _read_tensors(file: Path) -> dict[str, Tensor]:
-    try:
-        if file.suffix == ".bin":
-            state = torch.load(file, map_location="cpu", weights_only=True)
-        else:
-            from safetensors.torch import load_file
-
-            state = load_file(str(file))
-    except Exception as exc:  # safetensors and torch.load raise many types for a damaged file
-        raise SpecDecodeError(f"cannot read ReDrafter weights {file}: {exc}") from None
-    if not isinstance(state, dict):
-        raise SpecDecodeError(f"{file} does not hold a state dict")
-    return state
-
-
-def _load_state(head: ReDrafterHead, state: dict[str, Tensor], source: Path) -> None:
-    expected = head.state_dict()
-    missing = sorted(expected.keys() - state.keys())
-    if missing:
-        raise SpecDecodeError(f"{source} is missing ReDrafter weights, e.g. {missing[0]!r}")
-    for name, param in expected.items():
-        if state[name].shape != param.shape:
-            raise SpecDecodeError(
-                f"{source}: weight {name} has shape {tuple(state[name].shape)}, expected {tuple(param.shape)}"
-            )
-    head.load_state_dict({name: state[name] for name in expected})
+    return checkpoint.save(Path(out), WEIGHTS, tensors, config)
 
 
 def _build(config: dict[str, Any], source: Path, layers_key: str, shared: bool) -> ReDrafterHead:
@@ -337,7 +288,7 @@ def _load_reference(file: Path, config: dict[str, Any]) -> ReDrafterHead:
     """The reference layout: `lm_head` is `Sequential(ResBlock * L, Linear(E, V))`."""
     head = _build(config, file.parent / CONFIG, "num_draft_layers", shared=False)
     # A drafter saved from the reference's training wrapper carries a "drafter." prefix.
-    state = {k.removeprefix("drafter."): v for k, v in _read_tensors(file).items()}
+    state = {k.removeprefix("drafter."): v for k, v in checkpoint.read_tensors(file, "ReDrafter").items()}
     renamed: dict[str, Tensor] = {}
     for name, tensor in state.items():
         parts = name.split(".")
@@ -347,7 +298,7 @@ def _load_reference(file: Path, config: dict[str, Any]) -> ReDrafterHead:
             renamed["lm_head." + ".".join(parts[2:])] = tensor
         else:
             renamed["blocks." + ".".join(parts[1:])] = tensor
-    _load_state(head, renamed, file)
+    checkpoint.load_state(head, renamed, file, "ReDrafter")
     return head
 
 
@@ -355,23 +306,20 @@ def load_head(
     path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> ReDrafterHead:
     """A ReDrafter from a directory in either layout (see the module docstring)."""
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        raise SpecDecodeError(f"ReDrafter {root}: no such directory")
-    config = _read_config(root)
+    root, config = checkpoint.open_directory(path, "ReDrafter")
     if (root / WEIGHTS).is_file():
         if config.get("method") != "redrafter":
             raise SpecDecodeError(
                 f"{root / CONFIG} is missing or not a ReDrafter config (method != 'redrafter')"
             )
         head = _build(config, root / CONFIG, "num_layers", bool(config.get("shared_lm_head", True)))
-        tensors = _read_tensors(root / WEIGHTS)
+        tensors = checkpoint.read_tensors(root / WEIGHTS, "ReDrafter")
         vocab = tensors.pop("draft_vocab", head.draft_vocab)
         if vocab.shape != head.draft_vocab.shape:
             raise SpecDecodeError(
                 f"{root / WEIGHTS}: draft_vocab does not match draft_vocab_size in {CONFIG}"
             )
-        _load_state(head, tensors, root / WEIGHTS)
+        checkpoint.load_state(head, tensors, root / WEIGHTS, "ReDrafter")
         head.draft_vocab = vocab.long()
     else:
         found = [root / name for name in REFERENCE_WEIGHTS if (root / name).is_file()]
@@ -387,25 +335,12 @@ def load_head(
 
 def shipped_head(model_name: str) -> Path:
     """The ReDrafter directory shipped for the model `model_name` (a short name), or a clear error."""
-    path = SHIPPED / model_name / "redrafter"
-    if (path / WEIGHTS).is_file():
-        return path
-    have = sorted(p.parent.name for p in SHIPPED.glob("*/redrafter") if (p / WEIGHTS).is_file())
-    raise SpecDecodeError(
-        f"no ReDrafter ships for model {model_name!r} (shipped for: {', '.join(have) or 'none'}); "
-        f"train one with `specdecode train redrafter --model {model_name} --data FILE --out DIR` "
-        "and pass head=DIR"
-    )
+    return checkpoint.shipped(model_name, "redrafter", WEIGHTS, "ReDrafter")
 
 
 def check_fits(head: ReDrafterHead, target: Transformer, source: str = "ReDrafter") -> None:
     """The drafter reads the target's hidden states and embeddings and produces its token ids."""
-    cfg = target.config
-    if head.hidden_size != cfg.hidden_size or head.vocab_size != cfg.vocab_size:
-        raise SpecDecodeError(
-            f"{source} was trained for another target: hidden size {head.hidden_size}, vocabulary "
-            f"{head.vocab_size}; this target has hidden size {cfg.hidden_size}, vocabulary {cfg.vocab_size}"
-        )
+    checkpoint.check_fits(head.hidden_size, head.vocab_size, target, source)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,120 @@
+"""Checkpoint plumbing shared by the trained drafter heads (Medusa, EAGLE, ReDrafter).
+
+Each head keeps its own layouts (which tensors, which config keys, how a reference checkpoint is
+renamed); what is the same for all of them lives here: a directory holding one weights file and a
+`config.json`, tensors read from safetensors or a torch pickle, a state dict loaded with shape
+checks, the heads shipped in `specdecode/heads/<model>/<method>/`, and the size check against the
+target. `what` names the head in error messages ("EAGLE", "Medusa", ...), so a user sees which
+checkpoint is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.transformer import Transformer
+
+CONFIG = "config.json"
+SHIPPED = Path(__file__).resolve().parents[1] / "heads"
+
+
+def save(out: Path, weights: str, tensors: dict[str, Tensor], config: dict[str, Any]) -> Path:
+    """Write `tensors` to `out/weights` (safetensors) and `config` to `out/config.json`.
+
+    One config key per line, each value on its line: a fitted tree of dozens of paths stays
+    readable. Each file is replaced atomically, so a crash never leaves half a checkpoint."""
+    from safetensors.torch import save_file
+
+    from specdecode.models.cache import atomic_file
+
+    with atomic_file(out / weights) as tmp:
+        save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp))
+    text = "{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in config.items()) + "\n}\n"
+    with atomic_file(out / CONFIG) as tmp:
+        tmp.write_text(text)
+    return out
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    """`directory/config.json` as a dict; {} when there is none (a reference checkpoint may lack it)."""
+    file = directory / CONFIG
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpecDecodeError(f"{file} is not valid JSON ({exc})") from None
+    return config if isinstance(config, dict) else {}
+
+
+def read_tensors(file: Path, what: str) -> dict[str, Tensor]:
+    """The tensors of a safetensors file, or of a torch pickle (.bin / .pt, as reference repos ship)."""
+    try:
+        if file.suffix in (".bin", ".pt"):
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        else:
+            from safetensors.torch import load_file
+
+            state = load_file(str(file))
+    except Exception as exc:  # safetensors and torch.load raise many types for a damaged file
+        raise SpecDecodeError(f"cannot read {what} weights {file}: {exc}") from None
+    if not isinstance(state, dict):
+        raise SpecDecodeError(f"{file} does not hold a state dict")
+    return state
+
+
+def load_state(module: nn.Module, state: dict[str, Tensor], source: Path, what: str) -> None:
+    """Load `state` into `module`, naming the first missing or mis-shaped weight (torch's own error
+    lists every key, which hides the one that matters). Extra tensors in `state` are ignored."""
+    expected = module.state_dict()
+    missing = sorted(expected.keys() - state.keys())
+    if missing:
+        raise SpecDecodeError(f"{source} is missing {what} weights, e.g. {missing[0]!r}")
+    for name, param in expected.items():
+        if state[name].shape != param.shape:
+            raise SpecDecodeError(
+                f"{source}: weight {name} has shape {tuple(state[name].shape)}, expected {tuple(param.shape)}"
+            )
+    module.load_state_dict({name: state[name] for name in expected})
+
+
+def open_directory(path: str | Path, what: str) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint directory `path` (user-expanded) and its config ({} when it has none)."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise SpecDecodeError(f"{what} {root}: no such directory")
+    return root, read_config(root)
+
+
+def shipped(model_name: str, method: str, weights: str, what: str, plural: bool = False) -> Path:
+    """The directory shipped for `model_name` and `method` (`heads/<model>/<method>/`), or an error
+    that lists the models that have one and says how to train one."""
+    path = SHIPPED / model_name / method
+    if (path / weights).is_file():
+        return path
+    have = sorted(p.parent.name for p in SHIPPED.glob(f"*/{method}") if (p / weights).is_file())
+    ship, some, arg = ("ship", "some", "heads") if plural else ("ships", "one", "head")
+    raise SpecDecodeError(
+        f"no {what} {ship} for model {model_name!r} (shipped for: {', '.join(have) or 'none'}); "
+        f"train {some} with `specdecode train {method} --model {model_name} --data FILE --out DIR` "
+        f"and pass {arg}=DIR"
+    )
+
+
+def check_fits(
+    hidden_size: int, vocab_size: int, target: Transformer, source: str, plural: bool = False
+) -> None:
+    """A head reads the target's hidden states and drafts its token ids: both sizes must match."""
+    cfg = target.config
+    if hidden_size != cfg.hidden_size or vocab_size != cfg.vocab_size:
+        was = "were" if plural else "was"
+        raise SpecDecodeError(
+            f"{source} {was} trained for another target: hidden size {hidden_size}, vocabulary "
+            f"{vocab_size}; this target has hidden size {cfg.hidden_size}, vocabulary {cfg.vocab_size}"
+        )
