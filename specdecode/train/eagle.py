@@ -43,12 +43,13 @@ from specdecode.models.transformer import Transformer
 from specdecode.train.features import Features
 from specdecode.train.pipeline import (
     STATE,
+    Common,
     RecentMean,
     add_common_args,
-    common_kwargs,
     fingerprint,
     measure_tau,
     prepare,
+    settings_from_args,
     total_steps,
     train_loop,
 )
@@ -57,34 +58,17 @@ MAX_RANK = 10  # ranks tracked for the tree fit; deeper ranks are never worth a 
 
 
 @dataclass(frozen=True)
-class TrainSettings:
+class TrainSettings(Common):
     """Everything a run depends on; `specdecode train eagle --help` describes each."""
 
-    data: str
-    out: str
-    model: str = "smollm2-135m"
-    max_conversations: int = 1000
-    max_len: int = 384
     epochs: int = 10
-    lr: float = 1e-3
     batch_size: int = 8  # sequences per step
-    self_distill: bool = False
-    resume: bool = False
-    heldout: float = 0.04
-    seed: int = 0
     save_every: int = 50
-    dtype: str = "bfloat16"
-    device: str | None = None
-    feature_batch_size: int = 32
     ce_weight: float = 0.1
     noise: float = 0.2
     tree_nodes: int = 11
     tree_depth: int = 5
     draft_vocab: int = 16384
-    eval_prompts: int = 4
-    eval_tokens: int = 128
-    max_steps: int | None = None
-    progress: bool = True
 
 
 @dataclass
@@ -382,18 +366,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main_args(args: argparse.Namespace) -> None:
-    common = common_kwargs(args)
+    settings = settings_from_args(TrainSettings, args)
     for name in ("tree_nodes", "tree_depth"):
         if getattr(args, name) < 1:
             raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.noise < 0 or args.ce_weight < 0:
         raise SpecDecodeError("--noise and --ce-weight must be >= 0")
-    settings = TrainSettings(
-        **common,
-        ce_weight=args.ce_weight,
-        noise=args.noise,
-        tree_nodes=args.tree_nodes,
-        tree_depth=args.tree_depth,
-        draft_vocab=args.draft_vocab,
-    )
     train(settings)

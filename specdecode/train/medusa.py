@@ -41,12 +41,13 @@ from specdecode.errors import SpecDecodeError
 from specdecode.train.features import Features
 from specdecode.train.pipeline import (
     STATE,
+    Common,
     RecentMean,
     add_common_args,
-    common_kwargs,
     fingerprint,
     measure_tau,
     prepare,
+    settings_from_args,
     total_steps,
     train_loop,
 )
@@ -57,32 +58,12 @@ MAX_RANK = 10  # ranks tracked for the tree fit; deeper ranks are never worth a 
 
 
 @dataclass(frozen=True)
-class TrainSettings:
+class TrainSettings(Common):
     """Everything a run depends on; `specdecode train medusa --help` describes each."""
 
-    data: str
-    out: str
-    model: str = "smollm2-135m"
     num_heads: int = 4
     num_layers: int = 1
-    max_conversations: int = 1000
-    max_len: int = 384
-    epochs: int = 2
-    lr: float = 1e-3
-    batch_size: int = 256
-    self_distill: bool = False
-    resume: bool = False
-    heldout: float = 0.04
-    seed: int = 0
-    save_every: int = 100
-    dtype: str = "bfloat16"
-    device: str | None = None
-    feature_batch_size: int = 32
     tree_nodes: int = 32
-    eval_prompts: int = 4
-    eval_tokens: int = 128
-    max_steps: int | None = None
-    progress: bool = True
 
 
 @dataclass
@@ -290,12 +271,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main_args(args: argparse.Namespace) -> None:
-    common = common_kwargs(args)
+    settings = settings_from_args(TrainSettings, args)
     if args.num_heads < 1:
         raise SpecDecodeError(f"--num-heads must be >= 1, got {args.num_heads}")
     if args.num_layers < 0:
         raise SpecDecodeError(f"--num-layers must be >= 0, got {args.num_layers}")
-    settings = TrainSettings(
-        **common, num_heads=args.num_heads, num_layers=args.num_layers, tree_nodes=args.tree_nodes
-    )
     train(settings)

@@ -10,9 +10,9 @@ A method's `train` does three things; the first and the last are here:
 3. `train_loop(...)`: AdamW steps over shuffled batches with a warm-up + cosine schedule, a
    progress bar, a checkpoint every `save_every` steps and on Ctrl-C, and `--resume`.
 
-Settings: any object with the attributes of `Common` (each method's frozen `TrainSettings`
-dataclass adds its own fields); `add_common_args` declares the matching command-line flags and
-`common_kwargs` reads them back.
+Settings: each method's frozen `TrainSettings` dataclass subclasses `Common` with its own fields;
+`add_common_args` declares the common command-line flags and `settings_from_args` reads a
+method's flags back into its settings.
 
 Determinism: batches are a function of (seed, epoch, step) and the loop checkpoints whole steps
 only, so a resumed run takes exactly the steps an uninterrupted one would and ends with the same
@@ -30,9 +30,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -45,31 +45,34 @@ from specdecode.train.data import Conversation, Sample, prompt, read_sharegpt, r
 from specdecode.train.features import Features, extract
 
 STATE = "train_state.pt"  # the loop's checkpoint, under OUT/cache/
+Settings = TypeVar("Settings", bound="Common")
 
 
-class Common(Protocol):
-    """The settings every training run has (see `add_common_args` for their meaning)."""
+@dataclass(frozen=True)
+class Common:
+    """The settings every training run has (see `add_common_args` for their meaning); a method's
+    `TrainSettings` subclasses it with its own fields and, where it needs them, other defaults."""
 
     data: str
     out: str
-    model: str
-    max_conversations: int
-    max_len: int
-    epochs: int
-    lr: float
-    batch_size: int
-    self_distill: bool
-    resume: bool
-    heldout: float
-    seed: int
-    save_every: int
-    dtype: str
-    device: str | None
-    feature_batch_size: int
-    eval_prompts: int
-    eval_tokens: int
-    max_steps: int | None
-    progress: bool
+    model: str = "smollm2-135m"
+    max_conversations: int = 1000
+    max_len: int = 384
+    epochs: int = 2
+    lr: float = 1e-3
+    batch_size: int = 256
+    self_distill: bool = False
+    resume: bool = False
+    heldout: float = 0.04
+    seed: int = 0
+    save_every: int = 100
+    dtype: str = "bfloat16"
+    device: str | None = None
+    feature_batch_size: int = 32
+    eval_prompts: int = 4
+    eval_tokens: int = 128
+    max_steps: int | None = None
+    progress: bool = True
 
 
 @dataclass
@@ -353,16 +356,12 @@ def add_common_args(p: argparse.ArgumentParser, defaults: Common) -> None:
     p.add_argument("--eval-tokens", type=int, default=d.eval_tokens, help="tokens per τ prompt")
 
 
-def common_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The common settings from parsed flags (checked), as keyword arguments; applies --threads."""
+def settings_from_args(cls: type[Settings], args: argparse.Namespace) -> Settings:
+    """A method's settings from its parsed flags (the common ones checked; every field of `cls`
+    with a flag of the same name), after applying --threads."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     for name in ("max_conversations", "max_len", "epochs", "batch_size", "save_every"):
         if getattr(args, name) < 1:
             raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    names = (
-        "data", "out", "model", "max_conversations", "max_len", "epochs", "lr", "batch_size",
-        "self_distill", "resume", "heldout", "seed", "save_every", "dtype", "device",
-        "feature_batch_size", "eval_prompts", "eval_tokens", "max_steps",
-    )  # fmt: skip
-    return {name: getattr(args, name) for name in names}
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})

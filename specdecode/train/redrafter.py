@@ -44,12 +44,13 @@ from specdecode.train.features import Features
 from specdecode.train.medusa import IGNORE
 from specdecode.train.pipeline import (
     STATE,
+    Common,
     RecentMean,
     add_common_args,
-    common_kwargs,
     fingerprint,
     measure_tau,
     prepare,
+    settings_from_args,
     total_steps,
     train_loop,
 )
@@ -58,34 +59,14 @@ DEPTH_DECAY = 0.8
 
 
 @dataclass(frozen=True)
-class TrainSettings:
+class TrainSettings(Common):
     """Everything a run depends on; `specdecode train redrafter --help` describes each."""
 
-    data: str
-    out: str
-    model: str = "smollm2-135m"
     num_layers: int = 2
     depth: int = 4
     distill: float = 0.0
-    max_conversations: int = 1000
-    max_len: int = 384
-    epochs: int = 2
-    lr: float = 1e-3
-    batch_size: int = 256
-    self_distill: bool = False
-    resume: bool = False
-    heldout: float = 0.04
-    seed: int = 0
-    save_every: int = 100
-    dtype: str = "bfloat16"
-    device: str | None = None
-    feature_batch_size: int = 32
     beam_width: int = 4
     draft_vocab: int = 8192
-    eval_prompts: int = 4
-    eval_tokens: int = 128
-    max_steps: int | None = None
-    progress: bool = True
 
 
 @dataclass
@@ -352,7 +333,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main_args(args: argparse.Namespace) -> None:
-    common = common_kwargs(args)
+    settings = settings_from_args(TrainSettings, args)
     if args.depth < 1 or args.beam_width < 1:
         raise SpecDecodeError(f"--depth and --beam-width must be >= 1, got {args.depth}, {args.beam_width}")
     if args.num_layers < 0 or args.draft_vocab < 0:
@@ -361,12 +342,4 @@ def main_args(args: argparse.Namespace) -> None:
         )
     if not 0.0 <= args.distill <= 1.0:
         raise SpecDecodeError(f"--distill must be in [0, 1], got {args.distill}")
-    settings = TrainSettings(
-        **common,
-        num_layers=args.num_layers,
-        depth=args.depth,
-        distill=args.distill,
-        beam_width=args.beam_width,
-        draft_vocab=args.draft_vocab,
-    )
     train(settings)
