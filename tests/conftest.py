@@ -8,13 +8,30 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny import make_tiny_hf
+from specdecode.models.transformer import Transformer
+from tests.tiny import make_tiny_hf, write_chat_tokenizer
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])
 def tiny_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp(f"tiny_{request.param}")
     make_tiny_hf(request.param, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir: Path) -> Transformer:
+    """The tiny target of `tiny_model_dir`, loaded once per module (and per architecture)."""
+    return Transformer.from_dir(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama checkpoint with a character-level ChatML tokenizer: what the training
+    pipeline and `LLM` need (a chat template, text in and out)."""
+    out = tmp_path_factory.mktemp("tiny_chat")
+    make_tiny_hf("llama", out, seed=0)
+    write_chat_tokenizer(out)
     return out
 
 

@@ -45,8 +45,7 @@ from tests.test_draft_model import (
     run,
     tiny_transformer,
 )
-from tests.test_train import random_samples, write_chat_tokenizer, write_sharegpt
-from tests.tiny import make_tiny_hf
+from tests.test_train import random_samples, write_sharegpt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,11 +73,6 @@ def random_head(model: Transformer, seed: int = 0, std: float = 0.3) -> EagleHea
         for p in head.parameters():
             p.normal_(0, std)
     return head.eval()
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model_dir: Path) -> Transformer:
-    return Transformer.from_dir(tiny_model_dir)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -407,16 +401,8 @@ def test_checkpoint_errors(target: Transformer, tmp_path: Path) -> None:
 # Training
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("eagle_train_tiny")
-    make_tiny_hf("llama", out, seed=0)
-    write_chat_tokenizer(out)
-    return out
-
-
-def test_resumed_training_ends_where_an_uninterrupted_run_does(tiny_dir: Path, tmp_path: Path) -> None:
-    model = Transformer.from_dir(tiny_dir)
+def test_resumed_training_ends_where_an_uninterrupted_run_does(tiny_chat_dir: Path, tmp_path: Path) -> None:
+    model = Transformer.from_dir(tiny_chat_dir)
     samples = random_samples(10, seed=4, low=2, high=6)
     feats = extract(
         model, samples, generate=True, max_len=40, eos_ids=[2], cache_dir=tmp_path / "f", model_tag="t",
@@ -448,7 +434,9 @@ def test_resumed_training_ends_where_an_uninterrupted_run_does(tiny_dir: Path, t
     assert not torch.equal(straight.fc.weight_t, fresh().fc.weight_t)
 
 
-def test_train_command_end_to_end(tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_command_end_to_end(
+    tiny_chat_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`specdecode train eagle` on a tiny ShareGPT file: head, config (with a fitted tree) and
     report written, EAGLE-1 and EAGLE-2 with it decode exactly like plain greedy, and a second
     run needs --resume."""
@@ -456,7 +444,7 @@ def test_train_command_end_to_end(tiny_dir: Path, tmp_path: Path, capsys: pytest
     write_sharegpt(data, 30)
     out = tmp_path / "head"
     argv = [
-        "train", "eagle", "--model", str(tiny_dir), "--data", str(data), "--out", str(out),
+        "train", "eagle", "--model", str(tiny_chat_dir), "--data", str(data), "--out", str(out),
         "--max-len", "96", "--epochs", "2", "--batch-size", "4", "--heldout", "5",
         "--eval-prompts", "2", "--eval-tokens", "24", "--tree-nodes", "6", "--tree-depth", "3",
         "--dtype", "float32", "--self-distill", "--feature-batch-size", "8", "--draft-vocab", "40",
@@ -472,7 +460,7 @@ def test_train_command_end_to_end(tiny_dir: Path, tmp_path: Path, capsys: pytest
     assert head.draft_vocab is not None and head.draft_vocab.numel() == 40
     assert 0 < report["draft_vocab_heldout_coverage"] <= 1
 
-    llm = LLM(model=str(tiny_dir), progress=False)
+    llm = LLM(model=str(tiny_chat_dir), progress=False)
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     for spec in ({"method": "eagle", "head": str(out)}, {"method": "eagle2", "head": str(out), "depth": 3}):
         for text in ("the cat", "a"):

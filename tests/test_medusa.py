@@ -53,7 +53,7 @@ from tests.test_draft_model import (
     run,
 )
 from tests.test_draft_model import tiny_transformer as small_transformer
-from tests.tiny import make_tiny_hf
+from tests.tiny import copy_with_chat_tokenizer, make_tiny_hf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -80,11 +80,6 @@ TREES = {
     "chain": [[0], [0, 0], [0, 0, 0]],
     "paths only, wide": [[0, 0, 0], [1, 0], [2], [3, 1], [5]],
 }
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model_dir: Path) -> Transformer:
-    return Transformer.from_dir(tiny_model_dir)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -301,13 +296,7 @@ def test_heads_for_another_target_are_rejected(target: Transformer, tmp_path: Pa
 
 
 def test_llm_loads_heads_once_and_names_missing_ones(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from tests.test_train import write_chat_tokenizer
-
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    for f in tiny_model_dir.iterdir():
-        (model_dir / f.name).write_bytes(f.read_bytes())
-    write_chat_tokenizer(model_dir)
+    model_dir = copy_with_chat_tokenizer(tiny_model_dir, tmp_path / "model")
     llm = LLM(model=str(model_dir), progress=False)
     heads = random_heads(llm.model)
     save_heads(heads, tmp_path / "heads", target="tiny", dtype=torch.float32)

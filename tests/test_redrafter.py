@@ -52,7 +52,7 @@ from tests.test_draft_model import (
     run,
 )
 from tests.test_draft_model import tiny_transformer as small_transformer
-from tests.tiny import make_tiny_hf
+from tests.tiny import copy_with_chat_tokenizer, make_tiny_hf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -73,11 +73,6 @@ PROMPTS = {
     "counting": list(range(20, 50)),
     "one token": [93],
 }
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model_dir: Path) -> Transformer:
-    return Transformer.from_dir(tiny_model_dir)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -422,13 +417,7 @@ def test_checkpoint_errors(target: Transformer, tmp_path: Path) -> None:
 
 
 def test_llm_loads_the_drafter_once_and_names_missing_ones(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from tests.test_train import write_chat_tokenizer
-
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    for f in tiny_model_dir.iterdir():
-        (model_dir / f.name).write_bytes(f.read_bytes())
-    write_chat_tokenizer(model_dir)
+    model_dir = copy_with_chat_tokenizer(tiny_model_dir, tmp_path / "model")
     llm = LLM(model=str(model_dir), progress=False)
     save_head(random_head(llm.model), tmp_path / "head", target="tiny", dtype=torch.float32)
     spec = {"method": "redrafter", "head": str(tmp_path / "head"), "beam_width": 3}
@@ -464,18 +453,8 @@ def test_positions_feed_the_root_then_the_labels() -> None:
     assert data.hidden[data.rows, 0].tolist() == [0, 1, 3, 4] * 2
 
 
-@pytest.fixture(scope="module")
-def tiny_chat(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.test_train import write_chat_tokenizer
-
-    out = tmp_path_factory.mktemp("redrafter_chat")
-    make_tiny_hf("llama", out, seed=0)
-    write_chat_tokenizer(out)
-    return out
-
-
-def test_resumed_training_ends_where_an_uninterrupted_run_does(tiny_chat: Path, tmp_path: Path) -> None:
-    model = Transformer.from_dir(tiny_chat)
+def test_resumed_training_ends_where_an_uninterrupted_run_does(tiny_chat_dir: Path, tmp_path: Path) -> None:
+    model = Transformer.from_dir(tiny_chat_dir)
     samples = [Sample(p, [True] * len(p), 1) for p in PROMPTS.values()]
     feats = extract(
         model, samples, generate=False, max_len=64, eos_ids=[], cache_dir=tmp_path / "f", model_tag="t",
@@ -514,7 +493,7 @@ def test_resumed_training_ends_where_an_uninterrupted_run_does(tiny_chat: Path, 
 
 
 def test_train_command_end_to_end(
-    tiny_chat: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_chat_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`specdecode train redrafter` on a tiny ShareGPT file: drafter, config and report written,
     the drafter decodes exactly like plain greedy, and a second run needs --resume."""
@@ -524,7 +503,7 @@ def test_train_command_end_to_end(
     write_sharegpt(data, 30)
     out = tmp_path / "drafter"
     argv = [
-        "train", "redrafter", "--model", str(tiny_chat), "--data", str(data), "--out", str(out),
+        "train", "redrafter", "--model", str(tiny_chat_dir), "--data", str(data), "--out", str(out),
         "--depth", "3", "--num-layers", "1", "--max-len", "96", "--epochs", "2", "--batch-size", "64",
         "--heldout", "5", "--eval-prompts", "2", "--eval-tokens", "24", "--beam-width", "2",
         "--draft-vocab", "20", "--dtype", "float32", "--self-distill", "--feature-batch-size", "8",
@@ -539,7 +518,7 @@ def test_train_command_end_to_end(
     assert 0.5 < report["heldout_draft_vocab_coverage"] <= 1.0
     assert (out / "redrafter.safetensors").stat().st_size < 100_000  # shared LM head: no V x C matrix
 
-    llm = LLM(model=str(tiny_chat), speculative={"method": "redrafter", "head": str(out)}, progress=False)
+    llm = LLM(model=str(tiny_chat_dir), speculative={"method": "redrafter", "head": str(out)}, progress=False)
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     for text in ("the cat", "a"):
         spec, plain = llm.generate(text, params)[0], llm.generate(text, params, speculative=None)[0]

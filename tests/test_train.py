@@ -27,37 +27,11 @@ from specdecode.train import features as features_module
 from specdecode.train.data import Sample, prompt, read_sharegpt, render, split
 from specdecode.train.features import Features, extract, run_batch
 from specdecode.train.medusa import IGNORE, TrainSettings, fit, positions
-from tests.tiny import make_tiny_hf
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 \n.,!?'-:"
 WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "big", "red", "and", "or", "why", "is", "it"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def write_chat_tokenizer(out: Path) -> None:
-    """A character-level tokenizer with a ChatML template: ids 0-2 are <unk>, <|im_start|> and
-    <|im_end|> (the tiny models' end-of-sequence id 2), then one id per character in CHARS."""
-    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
-    from tokenizers import Tokenizer as Backend
-    from tokenizers.models import WordLevel
-
-    vocab = {"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
-    vocab.update({c: i + 3 for i, c in enumerate(CHARS)})
-    backend = Backend(WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    backend.add_special_tokens(
-        [AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)]
-    )
-    backend.save(str(out / "tokenizer.json"))
-    config = {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None}
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def sentence(rng: random.Random, n: int) -> str:
@@ -85,16 +59,8 @@ def write_sharegpt(path: Path, count: int, seed: int = 0, cut: bool = True) -> l
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("train_tiny")
-    make_tiny_hf("llama", out, seed=0)
-    write_chat_tokenizer(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir: Path) -> tuple[Transformer, Tokenizer]:
-    return Transformer.from_dir(tiny_dir), Tokenizer.from_dir(tiny_dir)
+def tiny(tiny_chat_dir: Path) -> tuple[Transformer, Tokenizer]:
+    return Transformer.from_dir(tiny_chat_dir), Tokenizer.from_dir(tiny_chat_dir)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -328,14 +294,16 @@ def test_resumed_training_ends_where_an_uninterrupted_run_does(
         fit(new_heads(model), weight, data, other, state)
 
 
-def test_train_command_end_to_end(tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_command_end_to_end(
+    tiny_chat_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`specdecode train medusa` on a tiny ShareGPT file: heads, config and report written, the
     heads decode exactly like plain greedy, and a second run needs --resume."""
     data = tmp_path / "sharegpt.json"
     write_sharegpt(data, 30)
     out = tmp_path / "heads"
     argv = [
-        "train", "medusa", "--model", str(tiny_dir), "--data", str(data), "--out", str(out),
+        "train", "medusa", "--model", str(tiny_chat_dir), "--data", str(data), "--out", str(out),
         "--num-heads", "2", "--max-len", "96", "--epochs", "2", "--batch-size", "64",
         "--heldout", "5", "--eval-prompts", "2", "--eval-tokens", "24", "--tree-nodes", "6",
         "--dtype", "float32", "--self-distill", "--feature-batch-size", "8",
@@ -349,7 +317,7 @@ def test_train_command_end_to_end(tiny_dir: Path, tmp_path: Path, capsys: pytest
     assert heads.num_heads == 2 and heads.choices is not None and len(heads.choices) == 6
     assert (out / "medusa.safetensors").stat().st_size < 100_000  # shared LM head: blocks only
 
-    llm = LLM(model=str(tiny_dir), speculative={"method": "medusa", "heads": str(out)}, progress=False)
+    llm = LLM(model=str(tiny_chat_dir), speculative={"method": "medusa", "heads": str(out)}, progress=False)
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     for text in ("the cat", "a"):
         spec, plain = llm.generate(text, params)[0], llm.generate(text, params, speculative=None)[0]

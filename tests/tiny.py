@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -55,3 +56,40 @@ def make_tiny_hf(arch: str, out: Path, seed: int = 0):
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
     return model
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 \n.,!?'-:"
+
+
+def write_chat_tokenizer(out: Path) -> None:
+    """A character-level tokenizer with a ChatML template: ids 0-2 are <unk>, <|im_start|> and
+    <|im_end|> (the tiny models' end-of-sequence id 2), then one id per character in CHARS."""
+    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import WordLevel
+
+    vocab = {"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    vocab.update({c: i + 3 for i, c in enumerate(CHARS)})
+    backend = Backend(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(
+        [AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)]
+    )
+    backend.save(str(out / "tokenizer.json"))
+    config = {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def copy_with_chat_tokenizer(model_dir: Path, out: Path) -> Path:
+    """A copy of the tiny checkpoint `model_dir` at `out` with `write_chat_tokenizer`'s tokenizer
+    (what `LLM` needs to load it by path)."""
+    out.mkdir()
+    for f in model_dir.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    write_chat_tokenizer(out)
+    return out
