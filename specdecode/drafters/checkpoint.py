@@ -92,6 +92,18 @@ def open_directory(path: str | Path, what: str) -> tuple[Path, dict[str, Any]]:
     return root, read_config(root)
 
 
+def check_method(root: Path, config: dict[str, Any], method: str, a_what: str) -> None:
+    """specdecode's layout names its method in the config: a head of another kind (or a missing
+    config) next to our weights file is an error, not a guess. `a_what` is e.g. "an EAGLE"."""
+    if config.get("method") != method:
+        raise SpecDecodeError(f"{root / CONFIG} is missing or not {a_what} config (method != {method!r})")
+
+
+def reference_file(root: Path, names: tuple[str, ...]) -> Path | None:
+    """The first of a reference layout's weights files (by preference) that `root` holds."""
+    return next((root / name for name in names if (root / name).is_file()), None)
+
+
 def shipped(model_name: str, method: str, weights: str, what: str, plural: bool = False) -> Path:
     """The directory shipped for `model_name` and `method` (`heads/<model>/<method>/`), or an error
     that lists the models that have one and says how to train one."""

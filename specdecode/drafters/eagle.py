@@ -269,17 +269,16 @@ def load_head(
     """An EAGLE head from a directory in either layout (see the module docstring)."""
     root, config = checkpoint.open_directory(path, "EAGLE head")
     if (root / WEIGHTS).is_file():
-        if config.get("method") != "eagle":
-            raise SpecDecodeError(f"{root / CONFIG} is missing or not an EAGLE config (method != 'eagle')")
+        checkpoint.check_method(root, config, "eagle", "an EAGLE")
         head = _load_ours(root, config)
     else:
-        found = [root / name for name in REFERENCE_WEIGHTS if (root / name).is_file()]
-        if not found:
+        found = checkpoint.reference_file(root, REFERENCE_WEIGHTS)
+        if found is None:
             raise SpecDecodeError(
                 f"no EAGLE head in {root}: expected {WEIGHTS} + {CONFIG} (specdecode) or "
                 f"{' / '.join(REFERENCE_WEIGHTS)} + {CONFIG} (EAGLE reference)"
             )
-        head = _load_reference(found[0], config)
+        head = _load_reference(found, config)
     head = head.to(device=device, dtype=dtype).eval()
     if torch.device(device).type == "cpu" and dtype == torch.float32 and cpu_gemm.kernel() is not None:
         # Drafting runs the layer on a few rows at a time: the target's few-row kernel layout.

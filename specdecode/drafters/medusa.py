@@ -198,17 +198,16 @@ def load_heads(
     """Medusa heads from a directory in either layout (see the module docstring)."""
     root, config = checkpoint.open_directory(path, "Medusa heads")
     if (root / WEIGHTS).is_file():
-        if config.get("method") != "medusa":
-            raise SpecDecodeError(f"{root / CONFIG} is missing or not a Medusa config (method != 'medusa')")
+        checkpoint.check_method(root, config, "medusa", "a Medusa")
         heads = _load_ours(root, config)
     else:
-        found = [root / name for name in REFERENCE_WEIGHTS if (root / name).is_file()]
-        if not found:
+        found = checkpoint.reference_file(root, REFERENCE_WEIGHTS)
+        if found is None:
             raise SpecDecodeError(
                 f"no Medusa heads in {root}: expected {WEIGHTS} + {CONFIG} (specdecode) or "
                 f"{' / '.join(REFERENCE_WEIGHTS)} (Medusa reference)"
             )
-        heads = _load_reference(found[0], config)
+        heads = _load_reference(found, config)
     return heads.to(device=device, dtype=dtype).eval()
 
 

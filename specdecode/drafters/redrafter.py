@@ -308,10 +308,7 @@ def load_head(
     """A ReDrafter from a directory in either layout (see the module docstring)."""
     root, config = checkpoint.open_directory(path, "ReDrafter")
     if (root / WEIGHTS).is_file():
-        if config.get("method") != "redrafter":
-            raise SpecDecodeError(
-                f"{root / CONFIG} is missing or not a ReDrafter config (method != 'redrafter')"
-            )
+        checkpoint.check_method(root, config, "redrafter", "a ReDrafter")
         head = _build(config, root / CONFIG, "num_layers", bool(config.get("shared_lm_head", True)))
         tensors = checkpoint.read_tensors(root / WEIGHTS, "ReDrafter")
         vocab = tensors.pop("draft_vocab", head.draft_vocab)
@@ -322,14 +319,14 @@ def load_head(
         checkpoint.load_state(head, tensors, root / WEIGHTS, "ReDrafter")
         head.draft_vocab = vocab.long()
     else:
-        found = [root / name for name in REFERENCE_WEIGHTS if (root / name).is_file()]
-        if not found or config.get("model_type") != REFERENCE_MODEL_TYPE:
+        found = checkpoint.reference_file(root, REFERENCE_WEIGHTS)
+        if found is None or config.get("model_type") != REFERENCE_MODEL_TYPE:
             raise SpecDecodeError(
                 f"no ReDrafter in {root}: expected {WEIGHTS} + {CONFIG} (specdecode) or "
                 f"{' / '.join(REFERENCE_WEIGHTS)} + a {CONFIG} of model_type {REFERENCE_MODEL_TYPE!r} "
                 "(apple/ml-recurrent-drafter)"
             )
-        head = _load_reference(found[0], config)
+        head = _load_reference(found, config)
     return head.to(device=device, dtype=dtype).eval()
 
 
