@@ -7,6 +7,7 @@ never a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -224,22 +225,14 @@ def cmd_models_fetch(args: argparse.Namespace) -> None:
         print(resolve_model(name, progress=True))
 
 
-def cmd_bench_runtime(args: argparse.Namespace) -> None:
-    from specdecode.bench.runtime import main_args
+def _main_of(module: str) -> Callable[[argparse.Namespace], None]:
+    """The command `module.main_args`, imported only when it runs: benchmarks and training pull
+    in modules (datasets, the training loop) that `generate` and `serve` never need."""
 
-    main_args(args)
+    def run(args: argparse.Namespace) -> None:
+        importlib.import_module(module).main_args(args)
 
-
-def cmd_bench(args: argparse.Namespace) -> None:
-    from specdecode.bench.specbench import main_args
-
-    main_args(args)
-
-
-def cmd_bench_serve(args: argparse.Namespace) -> None:
-    from specdecode.bench.serve import main_args
-
-    main_args(args)
+    return run
 
 
 def _speculative_json(text: str) -> dict[str, object] | None:
@@ -296,24 +289,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(llm, config, host=args.host, port=args.port, api_key=args.api_key)
 
 
-def cmd_train_medusa(args: argparse.Namespace) -> None:
-    from specdecode.train.medusa import main_args
-
-    main_args(args)
-
-
-def cmd_train_redrafter(args: argparse.Namespace) -> None:
-    from specdecode.train.redrafter import main_args
-
-    main_args(args)
-
-
-def cmd_train_eagle(args: argparse.Namespace) -> None:
-    from specdecode.train.eagle import main_args
-
-    main_args(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -339,14 +314,14 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.bench.specbench import add_args as add_bench_args
 
     add_bench_args(bench)
-    bench.set_defaults(func=cmd_bench)
+    bench.set_defaults(func=_main_of("specdecode.bench.specbench"))
 
     bench_rt = sub.add_parser("bench-runtime", help="plain decoding speed vs transformers, forward latency")
     add_model_args(bench_rt)
     bench_rt.add_argument("--new-tokens", type=_positive_int, default=256)
     bench_rt.add_argument("--repeats", type=_positive_int, default=5)
     bench_rt.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
-    bench_rt.set_defaults(func=cmd_bench_runtime)
+    bench_rt.set_defaults(func=_main_of("specdecode.bench.runtime"))
 
     bench_srv = sub.add_parser(
         "bench-serve", help="serving engine under load: tok/s and TTFT vs streams, speculation off/on/policy"
@@ -355,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.bench.serve import add_args as add_bench_serve_args
 
     add_bench_serve_args(bench_srv)
-    bench_srv.set_defaults(func=cmd_bench_serve)
+    bench_srv.set_defaults(func=_main_of("specdecode.bench.serve"))
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (in-flight batching, speculation)")
     add_model_args(srv)
@@ -389,17 +364,17 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.train.medusa import add_args as add_medusa_args
 
     add_medusa_args(medusa)
-    medusa.set_defaults(func=cmd_train_medusa)
+    medusa.set_defaults(func=_main_of("specdecode.train.medusa"))
     redrafter = tsub.add_parser("redrafter", help="a ReDrafter (Cheng et al. 2024) from ShareGPT data")
     from specdecode.train.redrafter import add_args as add_redrafter_args
 
     add_redrafter_args(redrafter)
-    redrafter.set_defaults(func=cmd_train_redrafter)
+    redrafter.set_defaults(func=_main_of("specdecode.train.redrafter"))
     eagle = tsub.add_parser("eagle", help="an EAGLE head (Li et al. 2024) from ShareGPT conversations")
     from specdecode.train.eagle import add_args as add_eagle_args
 
     add_eagle_args(eagle)
-    eagle.set_defaults(func=cmd_train_eagle)
+    eagle.set_defaults(func=_main_of("specdecode.train.eagle"))
     return parser
 
 
