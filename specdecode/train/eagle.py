@@ -24,11 +24,10 @@ matmuls run in bfloat16 (autocast; float32 master weights), as for Medusa.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,9 +48,12 @@ from specdecode.train.pipeline import (
     fingerprint,
     measure_tau,
     prepare,
+    print_times,
+    run_figures,
     settings_from_args,
     total_steps,
     train_loop,
+    write_report,
 )
 
 MAX_RANK = 10  # ranks tracked for the tree fit; deeper ranks are never worth a node
@@ -304,11 +306,8 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         "draft_vocab_heldout_coverage": round(coverage(prep.heldout, head.draft_vocab), 4),
         "train_sequences": len(prep.train),
         "train_positions": positions,
-        "train_loss": round(figures["loss"], 4) if math.isfinite(figures["loss"]) else None,
         "train_top1": round(figures["acc"], 4) if math.isfinite(figures["acc"]) else None,
-        "features_s": round(prep.features_s, 1),
-        "train_s": round(train_s, 1),
-        "settings": {k: v for k, v in asdict(settings).items() if k not in ("resume", "progress", "out")},
+        **run_figures(prep, settings, figures, train_s),
     }
     save_head(head, out, target=settings.model, extra={"training": report})
 
@@ -330,9 +329,8 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         tau_prompts=len(chosen),
         eval_s=round(time.perf_counter() - t0, 1),
     )
-    report["total_s"] = round(time.perf_counter() - started, 1)
+    write_report(prep, report, started)
     save_head(head, out, target=settings.model, extra={"training": report})
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"held-out top-1 accuracy of the drafted token by depth: {' '.join(f'{a:.3f}' for a in top1)}")
     print(f"held-out top-5 accuracy by depth: {' '.join(f'{a:.3f}' for a in top5)}")
     if head.draft_vocab is not None:
@@ -344,9 +342,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         f"held-out τ (greedy decoding, {len(chosen)} prompts, {settings.eval_tokens} tokens): "
         f"EAGLE-1 (fitted tree of {len(head.choices)} nodes) {tau1:.3f}, EAGLE-2 (defaults) {tau2:.3f}"
     )
-    print(
-        f"time: features {prep.features_s:.0f} s, training {train_s:.0f} s, total {report['total_s']:.0f} s"
-    )
+    print_times(prep, report, train_s)
     print(f"head written to {out}")
     return report
 

@@ -24,11 +24,9 @@ method's training).
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +45,12 @@ from specdecode.train.pipeline import (
     fingerprint,
     measure_tau,
     prepare,
+    print_times,
+    run_figures,
     settings_from_args,
     total_steps,
     train_loop,
+    write_report,
 )
 
 IGNORE = -100  # label of a (position, head) pair that is not trained
@@ -227,10 +228,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         "heldout_positions": len(held_set),
         "train_positions": len(train_set),
         "train_samples": len(prep.train),
-        "train_loss": round(figures["loss"], 4) if math.isfinite(figures["loss"]) else None,
-        "features_s": round(prep.features_s, 1),
-        "train_s": round(train_s, 1),
-        "settings": {k: v for k, v in asdict(settings).items() if k not in ("resume", "progress", "out")},
+        **run_figures(prep, settings, figures, train_s),
     }
     save_heads(heads, out, target=settings.model, extra={"training": report})
 
@@ -246,18 +244,15 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     report.update(
         heldout_tau=round(tau, 3), tau_prompts=len(chosen), eval_s=round(time.perf_counter() - t0, 1)
     )
-    report["total_s"] = round(time.perf_counter() - started, 1)
+    write_report(prep, report, started)
     save_heads(heads, out, target=settings.model, extra={"training": report})
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"held-out top-1 accuracy per head: {' '.join(f'{a:.3f}' for a in top1)}")
     print(f"held-out top-5 accuracy per head: {' '.join(f'{a:.3f}' for a in top5)}")
     print(
         f"held-out τ (greedy Medusa decoding, {len(chosen)} prompts, {settings.eval_tokens} tokens, "
         f"fitted tree of {len(heads.choices)} nodes): {tau:.3f}"
     )
-    print(
-        f"time: features {prep.features_s:.0f} s, training {train_s:.0f} s, total {report['total_s']:.0f} s"
-    )
+    print_times(prep, report, train_s)
     print(f"heads written to {out}")
     return report
 

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -307,6 +307,33 @@ def measure_tau(
         tokens += req.stats.num_generated_tokens
         forwards += req.stats.num_target_forwards
     return tokens / max(forwards, 1)
+
+
+def run_figures(
+    prep: Prepared, settings: Common, figures: dict[str, float], train_s: float
+) -> dict[str, Any]:
+    """The report entries every method's run has: its final training loss (None if it never
+    stepped), its times and the settings that shape the result."""
+    loss = figures["loss"]
+    return {
+        "train_loss": round(loss, 4) if math.isfinite(loss) else None,
+        "features_s": round(prep.features_s, 1),
+        "train_s": round(train_s, 1),
+        "settings": {k: v for k, v in asdict(settings).items() if k not in ("resume", "progress", "out")},
+    }
+
+
+def write_report(prep: Prepared, report: dict[str, Any], started: float) -> None:
+    """Add the run's total time to `report` and write it to OUT/report.json."""
+    report["total_s"] = round(time.perf_counter() - started, 1)
+    (prep.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+
+
+def print_times(prep: Prepared, report: dict[str, Any], train_s: float) -> None:
+    """Where a run's time went (after `write_report`, which measures the total)."""
+    print(
+        f"time: features {prep.features_s:.0f} s, training {train_s:.0f} s, total {report['total_s']:.0f} s"
+    )
 
 
 class RecentMean:

@@ -26,11 +26,9 @@ method's training).
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +48,12 @@ from specdecode.train.pipeline import (
     fingerprint,
     measure_tau,
     prepare,
+    print_times,
+    run_figures,
     settings_from_args,
     total_steps,
     train_loop,
+    write_report,
 )
 
 DEPTH_DECAY = 0.8
@@ -280,10 +281,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         "heldout_positions": len(held_set),
         "train_positions": len(train_set),
         "train_samples": len(prep.train),
-        "train_loss": round(figures["loss"], 4) if math.isfinite(figures["loss"]) else None,
-        "features_s": round(prep.features_s, 1),
-        "train_s": round(train_s, 1),
-        "settings": {k: v for k, v in asdict(settings).items() if k not in ("resume", "progress", "out")},
+        **run_figures(prep, settings, figures, train_s),
     }
     save_head(head, out, target=settings.model, extra={"training": report})
 
@@ -299,9 +297,8 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     report.update(
         heldout_tau=round(tau, 3), tau_prompts=len(chosen), eval_s=round(time.perf_counter() - t0, 1)
     )
-    report["total_s"] = round(time.perf_counter() - started, 1)
+    write_report(prep, report, started)
     save_head(head, out, target=settings.model, extra={"training": report})
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"held-out top-1 accuracy per depth (teacher-forced): {' '.join(f'{a:.3f}' for a in top1)}")
     size = head.draft_vocab.numel() or cfg.vocab_size
     print(f"draft vocabulary: {size} tokens, {vocab_share:.1%} of the held-out answers' tokens")
@@ -309,9 +306,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         f"held-out τ (greedy ReDrafter decoding, {len(chosen)} prompts, {settings.eval_tokens} tokens, "
         f"beam_width {settings.beam_width}, beam_length {beam_length}): {tau:.3f}"
     )
-    print(
-        f"time: features {prep.features_s:.0f} s, training {train_s:.0f} s, total {report['total_s']:.0f} s"
-    )
+    print_times(prep, report, train_s)
     print(f"drafter written to {out}")
     return report
 
