@@ -360,16 +360,17 @@ METHODS: dict[str, Factory] = {
 }
 
 
-def sample_sequences(
-    target: Transformer, draft: Transformer, method: str, n: int
+def sample_outputs(
+    target: Transformer, make_drafter: Callable[[], Drafter | None], n: int
 ) -> tuple[Counter[tuple[int, ...]], float]:
-    """n generations of SEQ_LEN tokens, each its own Request and seed; returns counts and mean τ."""
+    """n generations of SEQ_LEN tokens from PROMPT, each its own Request, seed and fresh drafter;
+    returns how often each output came and the mean τ (what every lossless-sampling test needs)."""
     counts: Counter[tuple[int, ...]] = Counter()
     forwards = 0
     engine = Engine(target)
     for seed in range(n):
         params = SamplingParams(max_tokens=SEQ_LEN, seed=seed, ignore_eos=True, **PARAMS)
-        req = Request(target, PROMPT, params, [], METHODS[method](target, draft))
+        req = Request(target, PROMPT, params, [], make_drafter())
         for _ in engine.generate(req):
             pass
         counts[tuple(req.output_ids)] += 1
@@ -405,7 +406,7 @@ DEFAULT_N = {
 def test_sampling_is_lossless(small: Small, method: str) -> None:
     target, draft, exact = small
     t0 = time.perf_counter()
-    counts, tau = sample_sequences(target, draft, method, DEFAULT_N[method])
+    counts, tau = sample_outputs(target, lambda: METHODS[method](target, draft), DEFAULT_N[method])
     result = check_distribution(counts, exact)
     elapsed = time.perf_counter() - t0
     assert result.ok, (result, tau, elapsed)
@@ -416,7 +417,7 @@ def test_sampling_is_lossless(small: Small, method: str) -> None:
 @pytest.mark.parametrize("method", DEFAULT_N)
 def test_sampling_is_lossless_20k(small: Small, method: str) -> None:
     target, draft, exact = small
-    counts, _ = sample_sequences(target, draft, method, 20_000)
+    counts, _ = sample_outputs(target, lambda: METHODS[method](target, draft), 20_000)
     result = check_distribution(counts, exact)
     assert result.ok, result
 
@@ -428,7 +429,7 @@ def test_sampling_is_lossless_20k(small: Small, method: str) -> None:
 def test_check_catches_lying_draft_probs(small: Small, method: str, n: int) -> None:
     """The same check, with no more samples than the honest methods get, flags both liars."""
     target, draft, exact = small
-    counts, _ = sample_sequences(target, draft, method, n)
+    counts, _ = sample_outputs(target, lambda: METHODS[method](target, draft), n)
     result = check_distribution(counts, exact)
     assert not result.ok, result
     assert result.p_value < 1e-6, result

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,13 +35,13 @@ from specdecode.train.eagle import TrainSettings, fit
 from specdecode.train.features import extract
 from specdecode.tree import DraftTree
 from tests.test_draft_model import (
-    PARAMS,
     PROMPT,
     SEQ_LEN,
     check_distribution,
     exact_distribution,
     greedy,
     run,
+    sample_outputs,
     tiny_transformer,
 )
 from tests.test_train import random_samples, write_sharegpt
@@ -189,26 +188,10 @@ SAMPLED: dict[str, Make] = {
 }
 
 
-def sample_counts(
-    target: Transformer, head: EagleHead, make: Make, n: int
-) -> tuple[Counter[tuple[int, ...]], float]:
-    counts: Counter[tuple[int, ...]] = Counter()
-    forwards = 0
-    engine = Engine(target)
-    for seed in range(n):
-        params = SamplingParams(max_tokens=SEQ_LEN, seed=seed, ignore_eos=True, **PARAMS)
-        req = Request(target, PROMPT, params, [], make(head, target))
-        for _ in engine.generate(req):
-            pass
-        counts[tuple(req.output_ids)] += 1
-        forwards += req.stats.num_target_forwards
-    return counts, n * SEQ_LEN / forwards
-
-
 @pytest.mark.parametrize("name", SAMPLED)
 def test_sampling_is_lossless(small: tuple, name: str) -> None:
     target, head, exact = small
-    counts, tau = sample_counts(target, head, SAMPLED[name], N_SAMPLES)
+    counts, tau = sample_outputs(target, lambda: SAMPLED[name](head, target), N_SAMPLES)
     result = check_distribution(counts, exact)
     assert result.ok, (result, tau)
     assert tau > 1.2  # drafts were accepted: the verifier really ran on them
@@ -218,7 +201,7 @@ def test_check_catches_siblings_declared_unconditionally(small: tuple) -> None:
     """The same check, with no more samples, flags siblings declared with the wrong q."""
     target, head, exact = small
     liar = lambda h, t: UnconditionalLiar(h, t, [[0], [1], [2], [3]])  # noqa: E731
-    counts, _ = sample_counts(target, head, liar, N_SAMPLES)
+    counts, _ = sample_outputs(target, lambda: liar(head, target), N_SAMPLES)
     assert not check_distribution(counts, exact).ok
 
 

@@ -14,7 +14,6 @@ tokens it actually picked by rank.
 from __future__ import annotations
 
 import json
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,13 +43,13 @@ from specdecode.train.medusa import TrainSettings, fit, positions
 from specdecode.tree import DraftTree
 from specdecode.verify import verify_typical
 from tests.test_draft_model import (
-    PARAMS,
     PROMPT,
     SEQ_LEN,
     check_distribution,
     exact_distribution,
     greedy,
     run,
+    sample_outputs,
 )
 from tests.test_draft_model import tiny_transformer as small_transformer
 from tests.tiny import copy_with_chat_tokenizer, make_tiny_hf
@@ -412,20 +411,9 @@ SAMPLERS: dict[str, Factory] = {
 }
 
 
-def sample_sequences(target: Transformer, heads: MedusaHeads, method: str, n: int) -> tuple[Counter, float]:
-    counts: Counter[tuple[int, ...]] = Counter()
-    forwards = 0
-    for seed in range(n):
-        params = SamplingParams(max_tokens=SEQ_LEN, seed=seed, ignore_eos=True, **PARAMS)
-        req = run(target, PROMPT, SAMPLERS[method](target, heads), params)
-        counts[tuple(req.output_ids)] += 1
-        forwards += req.stats.num_target_forwards
-    return counts, n * SEQ_LEN / forwards
-
-
 def test_sampling_is_lossless(small: tuple[Transformer, MedusaHeads, dict]) -> None:
     target, heads, exact = small
-    counts, tau = sample_sequences(target, heads, "exact", 5000)
+    counts, tau = sample_outputs(target, lambda: SAMPLERS["exact"](target, heads), 5000)
     result = check_distribution(counts, exact)
     assert result.ok, result
     assert tau > 1.1, tau  # the drafts were used and often accepted
@@ -435,7 +423,7 @@ def test_sampling_is_lossless(small: tuple[Transformer, MedusaHeads, dict]) -> N
 def test_check_catches_lossy_variants(small: tuple[Transformer, MedusaHeads, dict], method: str) -> None:
     """Typical acceptance is lossy by design, the liar by mistake: the same check flags both."""
     target, heads, exact = small
-    counts, _ = sample_sequences(target, heads, method, 2000)
+    counts, _ = sample_outputs(target, lambda: SAMPLERS[method](target, heads), 2000)
     result = check_distribution(counts, exact)
     assert not result.ok, result
     assert result.p_value < 1e-6, result

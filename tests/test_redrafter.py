@@ -15,7 +15,6 @@ import itertools
 import json
 import os
 import signal
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -43,13 +42,13 @@ from specdecode.train.features import extract
 from specdecode.train.redrafter import TrainSettings, drafter_logits, fit, positions
 from specdecode.tree import DraftTree
 from tests.test_draft_model import (
-    PARAMS,
     PROMPT,
     SEQ_LEN,
     check_distribution,
     exact_distribution,
     greedy,
     run,
+    sample_outputs,
 )
 from tests.test_draft_model import tiny_transformer as small_transformer
 from tests.tiny import copy_with_chat_tokenizer, make_tiny_hf
@@ -276,23 +275,9 @@ class ClaimsDrafterSoftmax(ReDrafter):
         return Proposal(DraftTree(tree.tokens, tree.parents, q))
 
 
-def sample_sequences(
-    target: Transformer, head: ReDrafterHead, lying: bool, n: int
-) -> tuple[Counter[tuple[int, ...]], float]:
-    counts: Counter[tuple[int, ...]] = Counter()
-    forwards = 0
-    for seed in range(n):
-        params = SamplingParams(max_tokens=SEQ_LEN, seed=seed, ignore_eos=True, **PARAMS)
-        drafter = (ClaimsDrafterSoftmax if lying else ReDrafter)(head, target, 2, 3)
-        req = run(target, PROMPT, drafter, params)
-        counts[tuple(req.output_ids)] += 1
-        forwards += req.stats.num_target_forwards
-    return counts, n * SEQ_LEN / forwards
-
-
 def test_sampling_is_lossless(small: tuple[Transformer, ReDrafterHead, dict]) -> None:
     target, head, exact = small
-    counts, tau = sample_sequences(target, head, lying=False, n=2500)
+    counts, tau = sample_outputs(target, lambda: ReDrafter(head, target, 2, 3), 2500)
     result = check_distribution(counts, exact)
     assert result.ok, result
     assert tau > 1.1, tau  # the drafts were used and often accepted
@@ -300,7 +285,7 @@ def test_sampling_is_lossless(small: tuple[Transformer, ReDrafterHead, dict]) ->
 
 def test_check_catches_the_drafters_softmax_as_q(small: tuple[Transformer, ReDrafterHead, dict]) -> None:
     target, head, exact = small
-    counts, _ = sample_sequences(target, head, lying=True, n=1500)
+    counts, _ = sample_outputs(target, lambda: ClaimsDrafterSoftmax(head, target, 2, 3), 1500)
     result = check_distribution(counts, exact)
     assert not result.ok, result
     assert result.p_value < 1e-6, result
