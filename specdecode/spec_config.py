@@ -154,16 +154,8 @@ class MedusaConfig:
         if self.heads is not None and (not isinstance(self.heads, str) or not self.heads):
             raise SpecDecodeError("medusa: heads must be a path to a heads directory")
         if self.medusa_choices is not None:
-            choices = self.medusa_choices
-            if not isinstance(choices, list | tuple) or not all(isinstance(c, list | tuple) for c in choices):
-                raise SpecDecodeError(
-                    f"medusa: medusa_choices must be a list of lists of top-k ranks, got {choices!r}"
-                )
-            from specdecode.tree import from_choices
-
-            from_choices(choices)  # empty paths, negative or non-integer ranks
-            # Stored as tuples: the settings object stays immutable and hashable.
-            object.__setattr__(self, "medusa_choices", tuple(tuple(c) for c in choices))
+            choices = _tree_choices("medusa", "medusa_choices", self.medusa_choices)
+            object.__setattr__(self, "medusa_choices", choices)
         if not isinstance(self.typical_acceptance, bool):
             raise SpecDecodeError(
                 f"medusa: typical_acceptance must be true or false, got {self.typical_acceptance!r}"
@@ -237,15 +229,8 @@ class EagleConfig:
     def __post_init__(self) -> None:
         _head_path(self.method, self.head)
         if self.eagle_choices is not None:
-            choices = self.eagle_choices
-            if not isinstance(choices, list | tuple) or not all(isinstance(c, list | tuple) for c in choices):
-                raise SpecDecodeError(
-                    f"eagle: eagle_choices must be a list of lists of top-k ranks, got {choices!r}"
-                )
-            from specdecode.tree import from_choices
-
-            from_choices(choices)  # empty paths, negative or non-integer ranks
-            object.__setattr__(self, "eagle_choices", tuple(tuple(c) for c in choices))
+            choices = _tree_choices("eagle", "eagle_choices", self.eagle_choices)
+            object.__setattr__(self, "eagle_choices", choices)
 
 
 @dataclass(frozen=True)
@@ -269,6 +254,17 @@ class Eagle2Config:
         _positive(self.method, "depth", self.depth)
         _positive(self.method, "top_k", self.top_k)
         _positive(self.method, "total_tokens", self.total_tokens)
+
+
+def _tree_choices(method: str, key: str, choices: object) -> tuple[tuple[int, ...], ...]:
+    """A static tree's paths of top-k ranks, checked (`from_choices`) and stored as tuples, so the
+    settings object stays immutable and hashable."""
+    if not isinstance(choices, list | tuple) or not all(isinstance(c, list | tuple) for c in choices):
+        raise SpecDecodeError(f"{method}: {key} must be a list of lists of top-k ranks, got {choices!r}")
+    from specdecode.tree import from_choices
+
+    from_choices(choices)  # empty paths, negative or non-integer ranks
+    return tuple(tuple(c) for c in choices)
 
 
 def _head_path(method: str, head: object) -> None:
