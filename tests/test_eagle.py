@@ -44,7 +44,7 @@ from tests.test_draft_model import (
     sample_outputs,
     tiny_transformer,
 )
-from tests.test_train import random_samples, write_sharegpt
+from tests.test_train import check_trained_run, random_samples, write_sharegpt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -443,18 +443,8 @@ def test_train_command_end_to_end(
     assert head.draft_vocab is not None and head.draft_vocab.numel() == 40
     assert 0 < report["draft_vocab_heldout_coverage"] <= 1
 
-    llm = LLM(model=str(tiny_chat_dir), progress=False)
-    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    for spec in ({"method": "eagle", "head": str(out)}, {"method": "eagle2", "head": str(out), "depth": 3}):
-        for text in ("the cat", "a"):
-            assert (
-                llm.generate(text, params, speculative=spec)[0].token_ids
-                == llm.generate(text, params)[0].token_ids
-            )
-
-    assert main(argv) == 2
-    assert "--resume" in capsys.readouterr().err
-    assert main([*argv, "--resume"]) == 0  # a finished run: re-evaluated from its checkpoint
+    specs = [{"method": "eagle", "head": str(out)}, {"method": "eagle2", "head": str(out), "depth": 3}]
+    check_trained_run(tiny_chat_dir, argv, specs, capsys)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -482,7 +482,7 @@ def test_train_command_end_to_end(
 ) -> None:
     """`specdecode train redrafter` on a tiny ShareGPT file: drafter, config and report written,
     the drafter decodes exactly like plain greedy, and a second run needs --resume."""
-    from tests.test_train import write_sharegpt
+    from tests.test_train import check_trained_run, write_sharegpt
 
     data = tmp_path / "sharegpt.json"
     write_sharegpt(data, 30)
@@ -503,15 +503,7 @@ def test_train_command_end_to_end(
     assert 0.5 < report["heldout_draft_vocab_coverage"] <= 1.0
     assert (out / "redrafter.safetensors").stat().st_size < 100_000  # shared LM head: no V x C matrix
 
-    llm = LLM(model=str(tiny_chat_dir), speculative={"method": "redrafter", "head": str(out)}, progress=False)
-    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    for text in ("the cat", "a"):
-        spec, plain = llm.generate(text, params)[0], llm.generate(text, params, speculative=None)[0]
-        assert spec.token_ids == plain.token_ids
-
-    assert main(argv) == 2
-    assert "--resume" in capsys.readouterr().err
-    assert main([*argv, "--resume"]) == 0  # a finished run: re-exported from its checkpoint
+    check_trained_run(tiny_chat_dir, argv, [{"method": "redrafter", "head": str(out)}], capsys)
     assert main([*argv, "--distill", "1.5"]) == 2
     assert "--distill must be in [0, 1]" in capsys.readouterr().err
 

@@ -294,6 +294,25 @@ def test_resumed_training_ends_where_an_uninterrupted_run_does(
         fit(new_heads(model), weight, data, other, state)
 
 
+def check_trained_run(
+    model_dir: Path, argv: list[str], speculative: list[dict], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What every `specdecode train METHOD` run must give: the trained drafter decodes (with each
+    of the `speculative` settings) exactly like plain greedy; running `argv` again refuses to
+    overwrite without --resume; and a resumed finished run succeeds (re-exported from its checkpoint)."""
+    llm = LLM(model=str(model_dir), progress=False)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    for spec in speculative:
+        for text in ("the cat", "a"):
+            assert (
+                llm.generate(text, params, speculative=spec)[0].token_ids
+                == llm.generate(text, params, speculative=None)[0].token_ids
+            ), (spec, text)
+    assert main(argv) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert main([*argv, "--resume"]) == 0
+
+
 def test_train_command_end_to_end(
     tiny_chat_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -317,12 +336,4 @@ def test_train_command_end_to_end(
     assert heads.num_heads == 2 and heads.choices is not None and len(heads.choices) == 6
     assert (out / "medusa.safetensors").stat().st_size < 100_000  # shared LM head: blocks only
 
-    llm = LLM(model=str(tiny_chat_dir), speculative={"method": "medusa", "heads": str(out)}, progress=False)
-    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    for text in ("the cat", "a"):
-        spec, plain = llm.generate(text, params)[0], llm.generate(text, params, speculative=None)[0]
-        assert spec.token_ids == plain.token_ids
-
-    assert main(argv) == 2
-    assert "--resume" in capsys.readouterr().err
-    assert main([*argv, "--resume"]) == 0  # a finished run: re-exported from its checkpoint
+    check_trained_run(tiny_chat_dir, argv, [{"method": "medusa", "heads": str(out)}], capsys)
