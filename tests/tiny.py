@@ -7,36 +7,24 @@ from pathlib import Path
 
 import torch
 
+# Both architectures share the sizes: the differences are the ones each family's real configs have.
+_SIZES = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 TINY = {
     "llama": dict(
-        model_type="llama",
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
+        _SIZES, model_type="llama", rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True
     ),
     "qwen2": dict(
-        model_type="qwen2",
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
+        _SIZES, model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False
     ),
 }
 
