@@ -48,7 +48,7 @@ from specdecode.train.pipeline import (
     fingerprint,
     measure_tau,
     prepare,
-    print_times,
+    print_done,
     run_figures,
     settings_from_args,
     total_steps,
@@ -342,14 +342,12 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         f"held-out τ (greedy decoding, {len(chosen)} prompts, {settings.eval_tokens} tokens): "
         f"EAGLE-1 (fitted tree of {len(head.choices)} nodes) {tau1:.3f}, EAGLE-2 (defaults) {tau2:.3f}"
     )
-    print_times(prep, report, train_s)
-    print(f"head written to {out}")
+    print_done(prep, report, train_s, "head")
     return report
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    d = TrainSettings(data="", out="")
-    add_common_args(p, d)
+    d = add_common_args(p, TrainSettings)
     p.add_argument("--ce-weight", type=float, default=d.ce_weight, help="weight of the LM-head cross-entropy")
     p.add_argument(
         "--noise", type=float, default=d.noise, help="width of the uniform noise on input features"

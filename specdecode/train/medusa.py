@@ -45,7 +45,7 @@ from specdecode.train.pipeline import (
     fingerprint,
     measure_tau,
     prepare,
-    print_times,
+    print_done,
     run_figures,
     settings_from_args,
     total_steps,
@@ -252,14 +252,12 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         f"held-out τ (greedy Medusa decoding, {len(chosen)} prompts, {settings.eval_tokens} tokens, "
         f"fitted tree of {len(heads.choices)} nodes): {tau:.3f}"
     )
-    print_times(prep, report, train_s)
-    print(f"heads written to {out}")
+    print_done(prep, report, train_s, "heads")
     return report
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    d = TrainSettings(data="", out="")
-    add_common_args(p, d)
+    d = add_common_args(p, TrainSettings)
     p.add_argument("--num-heads", type=int, default=d.num_heads)
     p.add_argument("--num-layers", type=int, default=d.num_layers, help="residual blocks per head")
     p.add_argument("--tree-nodes", type=int, default=d.tree_nodes, help="nodes of the fitted tree")

@@ -329,11 +329,13 @@ def write_report(prep: Prepared, report: dict[str, Any], started: float) -> None
     (prep.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
 
 
-def print_times(prep: Prepared, report: dict[str, Any], train_s: float) -> None:
-    """Where a run's time went (after `write_report`, which measures the total)."""
+def print_done(prep: Prepared, report: dict[str, Any], train_s: float, what: str) -> None:
+    """A run's last lines: where its time went (after `write_report`, which measures the total)
+    and where `what` (the trained drafter) was written."""
     print(
         f"time: features {prep.features_s:.0f} s, training {train_s:.0f} s, total {report['total_s']:.0f} s"
     )
+    print(f"{what} written to {prep.out}")
 
 
 class RecentMean:
@@ -356,9 +358,10 @@ class RecentMean:
 # Command line
 
 
-def add_common_args(p: argparse.ArgumentParser, defaults: Common) -> None:
-    """The flags every `specdecode train METHOD` takes, with a method's defaults."""
-    d = defaults
+def add_common_args(p: argparse.ArgumentParser, settings: type[Settings]) -> Settings:
+    """The flags every `specdecode train METHOD` takes, with the defaults of the method's
+    `settings` class; returns those defaults (for the method's own flags)."""
+    d = settings(data="", out="")
     p.add_argument("--model", default=d.model, help="target: short name, .gguf file or HF directory")
     p.add_argument("--data", required=True, help="ShareGPT JSON file (a cut-off file is fine)")
     p.add_argument("--out", required=True, help="output directory: head, config, report, cache/")
@@ -381,6 +384,7 @@ def add_common_args(p: argparse.ArgumentParser, defaults: Common) -> None:
     p.add_argument("--feature-batch-size", type=int, default=d.feature_batch_size)
     p.add_argument("--eval-prompts", type=int, default=d.eval_prompts, help="held-out prompts for τ")
     p.add_argument("--eval-tokens", type=int, default=d.eval_tokens, help="tokens per τ prompt")
+    return d
 
 
 def settings_from_args(cls: type[Settings], args: argparse.Namespace) -> Settings:

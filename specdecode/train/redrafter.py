@@ -48,7 +48,7 @@ from specdecode.train.pipeline import (
     fingerprint,
     measure_tau,
     prepare,
-    print_times,
+    print_done,
     run_figures,
     settings_from_args,
     total_steps,
@@ -306,14 +306,12 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         f"held-out τ (greedy ReDrafter decoding, {len(chosen)} prompts, {settings.eval_tokens} tokens, "
         f"beam_width {settings.beam_width}, beam_length {beam_length}): {tau:.3f}"
     )
-    print_times(prep, report, train_s)
-    print(f"drafter written to {out}")
+    print_done(prep, report, train_s, "drafter")
     return report
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    d = TrainSettings(data="", out="")
-    add_common_args(p, d)
+    d = add_common_args(p, TrainSettings)
     p.add_argument("--num-layers", type=int, default=d.num_layers, help="residual blocks")
     p.add_argument(
         "--depth", type=int, default=d.depth, help="tokens predicted per position (beam_length - 1)"
