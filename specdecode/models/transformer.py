@@ -236,7 +236,7 @@ class Transformer(nn.Module):
         self._tied_key: tuple[int, int] | None = None
         self._tied_t: torch.Tensor | None = None
         self._screen_key: tuple[int, int] | None = None
-        self._screen: tuple[torch.Tensor, float, float] | None = None
+        self._screen: tuple[torch.Tensor | None, float, float] | None = None
         self._screen_tiles_key: tuple[int, int] | None = None
         self._screen_tiles: torch.Tensor | None = None  # (V/32, C/2, 32, 2) bfloat16, see cpu_gemm
 
@@ -322,7 +322,9 @@ class Transformer(nn.Module):
         tiles = self._bf16_head_tiles()
         if tiles is not None:
             return cpu_gemm.tiled_matmul_bf16(hidden, tiles)
-        return F.linear(hidden.bfloat16(), self._screening_head()[0]).float()
+        head = self._screening_head()[0]
+        assert head is not None  # kept exactly when there are no tiles
+        return F.linear(hidden.bfloat16(), head).float()
 
     def _bf16_head_tiles(self) -> torch.Tensor | None:
         """The LM head rounded to bfloat16 in the bf16 kernel's tiles (V/32, C/2, 32, 2), remade
@@ -339,9 +341,10 @@ class Transformer(nn.Module):
             self._screen_tiles_key = key
         return self._screen_tiles
 
-    def _screening_head(self) -> tuple[torch.Tensor, float, float]:
+    def _screening_head(self) -> tuple[torch.Tensor | None, float, float]:
         """bfloat16 LM head (V, C) with its max row rounding-error norm and max row norm, remade
-        when the float32 head changes (same rule as the tied head)."""
+        when the float32 head changes (same rule as the tied head). The (V, C) copy is kept only
+        where the bf16 kernel's tiles (`_bf16_head_tiles`, the same rounding) cannot stand in."""
         key = self._head_key()
         if self._screen_key != key:
             with torch.inference_mode(False), torch.no_grad():
@@ -349,7 +352,8 @@ class Transformer(nn.Module):
                 head = w.bfloat16().contiguous()
                 err_max = float((w - head.float()).norm(dim=-1).max())
                 norm_max = float(head.float().norm(dim=-1).max())
-            self._screen, self._screen_key = (head, err_max, norm_max), key
+            kept = None if self._bf16_head_tiles() is not None else head
+            self._screen, self._screen_key = (kept, err_max, norm_max), key
         assert self._screen is not None
         return self._screen
 
