@@ -14,6 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.kv_cache import SequenceCache
+from specdecode.models import cpu_gemm
+
+# Segments of at most this many new tokens (decoding, verification) attend through the CPU
+# kernel, straight from the cache; longer ones (prefill chunks) through SDPA's blocked kernels.
+KERNEL_MAX_ROWS = 64
 
 
 def causal_mask(start: int, t: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -59,6 +64,8 @@ class AttentionPlan:
     def __init__(self, segments: list[Segment]) -> None:
         self.segments = segments
         self.total = sum(s.length for s in segments)
+        self._rows: _KernelRows | None = None  # the kernel's rows, laid out at the first layer
+        self._laid_out = False
 
     def attend(
         self,
@@ -68,6 +75,10 @@ class AttentionPlan:
         v: torch.Tensor,  # (B, H_kv, T, D)
     ) -> torch.Tensor:
         """Store every segment's keys/values and return the attention output (B, H, T, D)."""
+        if not self._laid_out:
+            self._rows, self._laid_out = _KernelRows.build(self.segments, q), True
+        if self._rows is not None:
+            return self._attend_kernel(self._rows, layer, q, k, v)
         if len(self.segments) == 1:
             return self._attend_one(self.segments[0], layer, q, k, v)
         outs, s = [], 0
@@ -76,6 +87,25 @@ class AttentionPlan:
             outs.append(self._attend_one(seg, layer, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]))
             s = e
         return torch.cat(outs, dim=2)
+
+    def _attend_kernel(
+        self, rows: _KernelRows, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """The short segments through the CPU kernel in one call, the others through SDPA."""
+        b, h, t, d = q.shape
+        out = torch.empty(b, t, h, d, dtype=q.dtype)  # (1, T, H, D): the o projection reads it without a copy
+        cache_k, cache_v = rows.cache.layer_slots(layer)  # type: ignore[misc]
+        cpu_gemm.attend_rows(
+            q[0], k[0], v[0], cache_k, cache_v, rows.rows, rows.new_slots, rows.row_ptr, rows.idx, out[0]
+        )
+        s = 0
+        for seg, fast in zip(self.segments, rows.fast, strict=True):
+            e = s + seg.length
+            if not fast:
+                part = self._attend_one(seg, layer, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e])
+                out[:, s:e] = part.transpose(1, 2)
+            s = e
+        return out.transpose(1, 2)
 
     @staticmethod
     def _attend_one(
@@ -91,3 +121,68 @@ class AttentionPlan:
         """Advance each cache past its new tokens (after every layer has written them)."""
         for seg in self.segments:
             seg.cache.length = seg.start + seg.length
+
+
+@dataclass(frozen=True)
+class _KernelRows:
+    """The rows of a plan that the CPU attention kernel computes, laid out once per forward: each
+    row's own slot and, as CSR, the slots it attends to (its prefix and its tree ancestors)."""
+
+    cache: SequenceCache  # whose `layer_slots` every kernel row reads (one storage per plan)
+    fast: list[bool]  # per segment: through the kernel
+    rows: torch.Tensor  # (R,) long, indices into the forward's T tokens
+    new_slots: torch.Tensor  # (R,) long
+    row_ptr: torch.Tensor  # (R+1,) long
+    idx: torch.Tensor  # (nnz,) long
+
+    @classmethod
+    def build(cls, segments: list[Segment], q: torch.Tensor) -> _KernelRows | None:
+        """None when no segment can use the kernel (not a one-sequence float32 CPU cache, no
+        kernel here, gradients wanted, an unsupported head size, only long segments)."""
+        if (
+            cpu_gemm.attention_kernel() is None
+            or q.dtype != torch.float32
+            or not q.is_cpu
+            or q.shape[0] != 1
+            or q.shape[-1] not in cpu_gemm.ATTENTION_HEAD_DIMS
+            or (torch.is_grad_enabled() and q.requires_grad)
+        ):
+            return None
+        first = segments[0].cache.layer_slots(0)
+        if first is None:
+            return None
+        storage = first[0].data_ptr()
+        fast: list[bool] = []
+        rows, new_slots, counts, idx = [], [], [], []
+        at = 0
+        for seg in segments:
+            slots = seg.cache.layer_slots(0)
+            ok = (
+                seg.length <= KERNEL_MAX_ROWS
+                and (seg.mask is None or seg.mask.dim() == 2)
+                and slots is not None
+                and slots[0].data_ptr() == storage
+            )
+            fast.append(ok)
+            if ok:
+                table = seg.cache.slot_table(seg.start + seg.length)  # (start+T,)
+                mask = seg.mask
+                if mask is None:
+                    mask = causal_mask(seg.start, seg.length, table.device)
+                rows.append(torch.arange(at, at + seg.length))
+                new_slots.append(table[seg.start :])
+                counts.append(mask.sum(1))
+                idx.append(table.expand(seg.length, -1)[mask])
+            at += seg.length
+        if not rows:
+            return None
+        row_ptr = torch.zeros(sum(r.numel() for r in rows) + 1, dtype=torch.long)
+        torch.cumsum(torch.cat(counts), 0, out=row_ptr[1:])
+        return cls(
+            segments[fast.index(True)].cache,
+            fast,
+            torch.cat(rows),
+            torch.cat(new_slots),
+            row_ptr,
+            torch.cat(idx),
+        )

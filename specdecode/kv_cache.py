@@ -38,6 +38,13 @@ class SequenceCache(Protocol):
 
     def compact(self, start: int, keep: torch.Tensor | list[int]) -> None: ...
 
+    # For attention kernels that read the cache in place: a layer's (H_kv, S, D) key and value
+    # slots (None where there are none to read, e.g. a batch of sequences), and which slot holds
+    # each position.
+    def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    def slot_table(self, end: int) -> torch.Tensor: ...
+
 
 class KVCache:
     """Static per-sequence cache: `k`, `v` are (L, B, H_kv, S_max, D); `length` slots are valid."""
@@ -55,6 +62,18 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.length = 0
+        self._slots = torch.arange(max_len, device=device)
+
+    def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's keys and values as (H_kv, S_max, D) slots, which attention kernels read
+        and write directly; None for a batch of several sequences."""
+        if self.k.shape[1] != 1:
+            return None
+        return self.k[layer, 0], self.v[layer, 0]
+
+    def slot_table(self, end: int) -> torch.Tensor:
+        """(end,) long: the slot of each position 0..end-1 in `layer_slots` (here the identity)."""
+        return self._slots[:end]
 
     @property
     def device(self) -> torch.device:

@@ -113,3 +113,58 @@ def test_bf16_dense_tiles_for_few_rows_and_untiles_for_many() -> None:
         x = torch.randn(m, 64).bfloat16()
         want = (x.double() @ matrix.double() + dense.bias.double()).bfloat16()
         torch.testing.assert_close(dense(x), want, rtol=2e-2, atol=2e-2)
+
+
+def _attention_case(d: int, seed: int) -> dict:
+    """A paged layer (slots shuffled) holding two sequences' prefixes, and a batch of new rows:
+    sequence A decodes one token, sequence B verifies a 4-node tree."""
+    gen = torch.Generator().manual_seed(seed)
+    h, hkv, slots = 6, 2, 64
+    perm = torch.randperm(slots, generator=gen)
+    seq_a, seq_b = perm[:20], perm[20:40]  # slot of each position
+    cache_k, cache_v = torch.randn(hkv, slots, d, generator=gen), torch.randn(hkv, slots, d, generator=gen)
+    q = torch.randn(h, 5, d, generator=gen)
+    k, v = torch.randn(hkv, 5, d, generator=gen), torch.randn(hkv, 5, d, generator=gen)
+    # A: prefix 19, new token at position 19. B: prefix 16, tree 0 <- {1, 2}, 1 <- 3 at 16..19.
+    ancestors = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    sees = [seq_a[:20]] + [torch.cat([seq_b[:16], seq_b[16:20][row]]) for row in ancestors]
+    new_slots = torch.cat([seq_a[19:20], seq_b[16:20]])
+    return dict(q=q, k=k, v=v, cache_k=cache_k, cache_v=cache_v, sees=sees, new_slots=new_slots)
+
+
+def _run_attention(case: dict, rows: list[int]) -> torch.Tensor:
+    cache_k, cache_v = case["cache_k"].clone(), case["cache_v"].clone()
+    sees = [case["sees"][r] for r in rows]
+    row_ptr = torch.tensor([0] + [len(s) for s in sees]).cumsum(0)
+    out = torch.full((5, case["q"].shape[0], case["q"].shape[2]), float("nan"))
+    cpu_gemm.attend_rows(
+        case["q"], case["k"], case["v"], cache_k, cache_v, torch.tensor(rows),
+        case["new_slots"][rows], row_ptr, torch.cat(sees), out,
+    )  # fmt: skip
+    assert torch.equal(cache_k[:, case["new_slots"][rows]], case["k"][:, rows])
+    assert torch.equal(cache_v[:, case["new_slots"][rows]], case["v"][:, rows])
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", cpu_gemm.ATTENTION_HEAD_DIMS)
+def test_attention_kernel_equals_sdpa_over_each_rows_slots(d: int) -> None:
+    case = _attention_case(d, seed=d)
+    out = _run_attention(case, [0, 1, 2, 3, 4])
+    cache_k, cache_v = case["cache_k"].clone(), case["cache_v"].clone()
+    cache_k[:, case["new_slots"]], cache_v[:, case["new_slots"]] = case["k"], case["v"]
+    group = case["q"].shape[0] // cache_k.shape[0]
+    for r, slots in enumerate(case["sees"]):
+        keys = cache_k[:, slots].repeat_interleave(group, 0)  # (H, L, D)
+        values = cache_v[:, slots].repeat_interleave(group, 0)
+        want = torch.nn.functional.scaled_dot_product_attention(case["q"][:, r : r + 1], keys, values)
+        torch.testing.assert_close(out[r], want[:, 0], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_attention_kernel_rows_do_not_depend_on_the_batch() -> None:
+    case = _attention_case(64, seed=1)
+    together = _run_attention(case, [0, 1, 2, 3, 4])
+    # B's rows need their ancestors' new keys: run B's tree alone, and A's row alone.
+    assert torch.equal(_run_attention(case, [0])[0], together[0])
+    assert torch.equal(_run_attention(case, [1, 2, 3, 4])[1:], together[1:])

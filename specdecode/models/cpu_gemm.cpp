@@ -8,7 +8,10 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -145,5 +148,127 @@ extern "C" int specdecode_tiled_mm(const float* x, const float* w, float* y, int
         kRows[mb](x + done * K, w, y + done * N, K, N, threads);
         done += mb;
     }
+    return 0;
+}
+
+// ---- attention over gathered cache slots ---------------------------------------------------------
+//
+// The attention of the few new tokens of decoding and verification, read straight from the cache
+// (static or paged): each new row lists the cache slots it sees (its prefix and its tree
+// ancestors), so a ragged batch of many sequences is one call per layer instead of a gather and
+// an SDPA per sequence. A row's output depends only on its own query and slots, in a fixed order:
+// bitwise the same alone or in any batch, whatever the thread count.
+
+namespace {
+
+// e^x for float32 x <= 0 (scores minus their maximum): 2^n e^r with |r| <= ln2/2 and a degree-6
+// Taylor polynomial (truncation below 1e-7 relative); under -87 the result is ~0 anyway.
+inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2, high part
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);     // ln2, low part
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// One query row of one head: softmax(q . k_j * scale) over the row's slots, times v_j.
+// NC = head_dim / 16. `s` is scratch for L scores (rounded up to 16).
+template <int NC>
+void attend_row(const float* __restrict q, const float* __restrict kc, const float* __restrict vc,
+                const int64_t* __restrict idx, int64_t L, float scale, float* __restrict out,
+                float* __restrict s) {
+    constexpr int64_t D = NC * 16;
+    __m512 qv[NC];
+    for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q + c * 16);
+    float m = -INFINITY;
+    for (int64_t j = 0; j < L; ++j) {
+        const float* k = kc + idx[j] * D;
+        __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+        for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * 16), acc);
+        const float x = _mm512_reduce_add_ps(acc) * scale;
+        s[j] = x;
+        m = x > m ? x : m;
+    }
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < L; j += 16) {
+        const __mmask16 live = L - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (L - j)) - 1);
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), mv));
+        _mm512_mask_storeu_ps(s + j, live, e);
+        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(live, e));
+    }
+    __m512 o[NC];
+    for (int c = 0; c < NC; ++c) o[c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < L; ++j) {
+        const float* v = vc + idx[j] * D;
+        const __m512 p = _mm512_set1_ps(s[j]);
+        for (int c = 0; c < NC; ++c) o[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + c * 16), o[c]);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + c * 16, _mm512_mul_ps(o[c], inv));
+}
+
+template <int NC>
+void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, int64_t k_sh, int64_t k_st,
+                 const float* vn, int64_t v_sh, int64_t v_st, float* kc, float* vc, int64_t c_sh,
+                 const int64_t* rows, const int64_t* new_slot, int64_t n_rows, const int64_t* row_ptr,
+                 const int64_t* idx, float* out, int64_t o_st, int64_t Hq, int64_t Hkv, float scale,
+                 int threads) {
+    constexpr int64_t D = NC * 16;
+    int64_t longest = 0;
+    for (int64_t r = 0; r < n_rows; ++r) longest = std::max(longest, row_ptr[r + 1] - row_ptr[r]);
+    const int64_t group = Hq / Hkv;
+#pragma omp parallel num_threads(threads)
+    {
+        // The new keys and values into their slots first: rows of a tree see their ancestors'.
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < n_rows * Hkv; ++task) {
+            const int64_t r = task / Hkv, h = task % Hkv, t = rows[r];
+            float* kd = kc + h * c_sh + new_slot[r] * D;
+            float* vd = vc + h * c_sh + new_slot[r] * D;
+            for (int c = 0; c < NC; ++c) {
+                _mm512_storeu_ps(kd + c * 16, _mm512_loadu_ps(kn + h * k_sh + t * k_st + c * 16));
+                _mm512_storeu_ps(vd + c * 16, _mm512_loadu_ps(vn + h * v_sh + t * v_st + c * 16));
+            }
+        }
+        std::vector<float> scratch(longest + 16);
+        // Consecutive heads of one row share their key/value head: they run on one thread.
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < n_rows * Hq; ++task) {
+            const int64_t r = task / Hq, h = task % Hq, t = rows[r], kvh = h / group;
+            attend_row<NC>(q + h * q_sh + t * q_st, kc + kvh * c_sh, vc + kvh * c_sh, idx + row_ptr[r],
+                           row_ptr[r + 1] - row_ptr[r], scale, out + t * o_st + h * D, scratch.data());
+        }
+    }
+}
+
+}  // namespace
+
+// q (H, T, D) at strides (q_sh, q_st); new keys/values (Hkv, T, D) likewise; the layer's cache
+// kc/vc (Hkv, S, D) with head stride c_sh; for each of `n_rows` rows (indices into T): the slot
+// its new key/value goes to and, as CSR (row_ptr, idx), the slots it attends to; out (T, H, D)
+// with row stride o_st. Returns 0, or -1 for a head size the kernel does not take.
+extern "C" int specdecode_attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn,
+                                      int64_t k_sh, int64_t k_st, const float* vn, int64_t v_sh,
+                                      int64_t v_st, float* kc, float* vc, int64_t c_sh,
+                                      const int64_t* rows, const int64_t* new_slot, int64_t n_rows,
+                                      const int64_t* row_ptr, const int64_t* idx, float* out,
+                                      int64_t o_st, int64_t Hq, int64_t Hkv, int64_t D, float scale,
+                                      int threads) {
+    if (Hkv <= 0 || Hq % Hkv != 0) return -1;
+    using Fn = decltype(&attend_rows<1>);
+    Fn fn = D == 16 ? attend_rows<1> : D == 32 ? attend_rows<2> : D == 64 ? attend_rows<4>
+          : D == 128 ? attend_rows<8> : nullptr;
+    if (fn == nullptr) return -1;
+    fn(q, q_sh, q_st, kn, k_sh, k_st, vn, v_sh, v_st, kc, vc, c_sh, rows, new_slot, n_rows, row_ptr, idx, out,
+       o_st, Hq, Hkv, scale, threads);
     return 0;
 }

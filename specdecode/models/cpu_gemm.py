@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -76,6 +77,25 @@ def _library() -> ctypes.CDLL | None:
     for fn in (lib.specdecode_tiled_mm, lib.specdecode_tiled_mm_bf16):
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         fn.restype = ctypes.c_int
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    lib.specdecode_attend_rows.argtypes = [p, i, i] * 3 + [
+        p,
+        p,
+        i,
+        p,
+        p,
+        i,
+        p,
+        p,
+        p,
+        i,
+        i,
+        i,
+        i,
+        ctypes.c_float,
+        ctypes.c_int,
+    ]
+    lib.specdecode_attend_rows.restype = ctypes.c_int
     return lib
 
 
@@ -91,6 +111,47 @@ def kernel_bf16() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The bfloat16 one (`specdecode_tiled_mm_bf16`), where the CPU has AVX512_BF16."""
     lib = _library()
     return None if lib is None or "avx512_bf16" not in _cpu_flags().split() else lib.specdecode_tiled_mm_bf16
+
+
+@functools.cache
+def attention_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """`specdecode_attend_rows`: attention of listed rows over listed cache slots (see the .cpp)."""
+    lib = _library()
+    return None if lib is None else lib.specdecode_attend_rows
+
+
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def attend_rows(
+    q: torch.Tensor,  # (H, T, D) float32, any strides with unit last stride
+    k: torch.Tensor,  # (H_kv, T, D) the new keys, rotary applied
+    v: torch.Tensor,  # (H_kv, T, D) the new values
+    cache_k: torch.Tensor,  # (H_kv, S, D) the layer's key slots
+    cache_v: torch.Tensor,  # (H_kv, S, D)
+    rows: torch.Tensor,  # (R,) long: which of the T rows to compute
+    new_slots: torch.Tensor,  # (R,) long: the slot each row's key/value is stored at
+    row_ptr: torch.Tensor,  # (R+1,) long: row r sees slots idx[row_ptr[r]:row_ptr[r+1]]
+    idx: torch.Tensor,  # (nnz,) long
+    out: torch.Tensor,  # (T, H, D) float32 contiguous: rows `rows` are written
+) -> None:
+    """Store the rows' new keys/values in the cache, then softmax(q k^T / sqrt(D)) v over each
+    row's slots into `out`. Needs `attention_kernel()` and D in ATTENTION_HEAD_DIMS."""
+    fn = attention_kernel()
+    h, _, d = q.shape
+    hkv = k.shape[0]
+    assert fn is not None and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    assert cache_k.stride() == cache_v.stride() and cache_k.stride(1) == d
+    done = fn(
+        q.data_ptr(), q.stride(0), q.stride(1),
+        k.data_ptr(), k.stride(0), k.stride(1),
+        v.data_ptr(), v.stride(0), v.stride(1),
+        cache_k.data_ptr(), cache_v.data_ptr(), cache_k.stride(0),
+        rows.data_ptr(), new_slots.data_ptr(), rows.shape[0], row_ptr.data_ptr(), idx.data_ptr(),
+        out.data_ptr(), out.stride(0), h, hkv, d, 1.0 / math.sqrt(d), torch.get_num_threads(),
+    )  # fmt: skip
+    if done != 0:
+        raise ValueError(f"attention kernel: unsupported shape (H={h}, H_kv={hkv}, D={d})")
 
 
 def tile_weight(weight_t: torch.Tensor) -> torch.Tensor:

@@ -150,6 +150,14 @@ class PagedCache:
         values[:, slots[start:]] = v[0]
         return keys.index_select(1, slots)[None], values.index_select(1, slots)[None]
 
+    def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys and values of every block as (H_kv, S_all, D) slots."""
+        return self.storage.k[layer], self.storage.v[layer]
+
+    def slot_table(self, end: int) -> torch.Tensor:
+        """(end,) long: the slot of each position 0..end-1 (reserved ones included)."""
+        return self._slots[:end]
+
     def rollback(self, n: int) -> None:
         """Forget the newest `n` tokens and free the blocks no longer needed."""
         if not 0 <= n <= self.length:
