@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 needs_kernel = pytest.mark.skipif(cpu_gemm.kernel() is None, reason="no AVX-512 CPU or C++ compiler here")
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 12, 13, 16, 24, 25, 40])
+@pytest.mark.parametrize("m", [1, 2, 5, 12, 13, 16, 24, 25, 40, 64, 65])
 @pytest.mark.parametrize(("k", "n"), [(64, 96), (576, 960), (1536, 576)])
 def test_tiled_matmul_equals_matmul(m: int, k: int, n: int) -> None:
     gen = torch.Generator().manual_seed(m * 1000 + n)
@@ -27,7 +27,7 @@ def test_tiled_matmul_equals_matmul(m: int, k: int, n: int) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [2, 7, 12, 16, 24])
+@pytest.mark.parametrize("m", [2, 7, 12, 16, 24, 40, 64])
 def test_kernel_rows_do_not_depend_on_the_batch(m: int) -> None:
     """Bitwise: a row multiplied alone equals the same row inside any batch (any row block)."""
     gen = torch.Generator().manual_seed(m)

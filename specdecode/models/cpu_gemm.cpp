@@ -136,17 +136,40 @@ extern "C" int specdecode_tiled_mm_bf16(const uint16_t* x, const uint16_t* w, fl
     return 0;
 }
 
+using TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t);
+constexpr TileFn kTiles[kMaxRows + 1] = {nullptr,        tiles<1, 1>,  tiles<2, 1>,  tiles<3, 1>, tiles<4, 1>,
+                                         tiles<5, 1>,    tiles<6, 1>,  tiles<7, 1>,  tiles<8, 1>, tiles<9, 1>,
+                                         tiles<10, 1>,   tiles<11, 1>, tiles<12, 1>};
+
 // Returns 0, or -1 when N is not a multiple of the tile width.
 extern "C" int specdecode_tiled_mm(const float* x, const float* w, float* y, int64_t M, int64_t K,
                                    int64_t N, int threads) {
     if (N % kTile != 0) return -1;
     // Rows in blocks of at most 12, as even as possible: 16 rows are 8 + 8, not 12 + 4.
     const int64_t blocks = (M + kMaxRows - 1) / kMaxRows;
+    if (blocks == 1) {
+        kRows[M](x, w, y, K, N, threads);
+        return 0;
+    }
+    // Several blocks: every block runs over a tile while it is in L2, so the weights still come
+    // from memory once (a pass per block read them `blocks` times).
+    constexpr int64_t kMaxBlocks = 64;
+    if (blocks > kMaxBlocks) return -1;
+    int64_t start[kMaxBlocks], size[kMaxBlocks];
     int64_t done = 0;
     for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t mb = (M - done + (blocks - b) - 1) / (blocks - b);
-        kRows[mb](x + done * K, w, y + done * N, K, N, threads);
-        done += mb;
+        size[b] = (M - done + (blocks - b) - 1) / (blocks - b);
+        start[b] = done;
+        done += size[b];
+    }
+    const int64_t n_tiles = N / kTile;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t begin = n_tiles * me / parts, end = n_tiles * (me + 1) / parts;
+        for (int64_t t = begin; t < end; ++t)
+            for (int64_t b = 0; b < blocks; ++b)
+                kTiles[size[b]](x + start[b] * K, K, w + t * K * kTile, y + start[b] * N + t * kTile, N);
     }
     return 0;
 }

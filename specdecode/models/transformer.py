@@ -74,7 +74,7 @@ class Dense(nn.Module):
             return y.view(*x.shape[:-1], y.shape[-1])
         if tiles.dim() == 3:
             y = cpu_gemm.tiled_matmul(flat, tiles)
-        elif flat.shape[0] <= cpu_gemm.MAX_KERNEL_ROWS and flat.is_cpu:
+        elif flat.shape[0] <= cpu_gemm.MAX_KERNEL_ROWS_BF16 and flat.is_cpu:
             y = cpu_gemm.tiled_matmul_bf16(flat, tiles).to(flat.dtype)
         else:  # a prefill chunk: oneDNN's bf16 matmul blocks over many rows far better
             y = flat @ cpu_gemm.untile_weight_bf16(tiles)
@@ -361,7 +361,7 @@ class Transformer(nn.Module):
         """(..., C) hidden states -> (..., V) float32 logits. A bfloat16 model on CPU reads its
         head through the bf16 kernel for a few rows (float32 sums, at memory speed)."""
         flat = hidden.reshape(-1, hidden.shape[-1])
-        if self.dtype == torch.bfloat16 and flat.is_cpu and flat.shape[0] <= cpu_gemm.MAX_KERNEL_ROWS:
+        if self.dtype == torch.bfloat16 and flat.is_cpu and flat.shape[0] <= cpu_gemm.MAX_KERNEL_ROWS_BF16:
             tiles = self._bf16_head_tiles()
             if tiles is not None:
                 return cpu_gemm.tiled_matmul_bf16(flat, tiles).view(*hidden.shape[:-1], -1)
