@@ -356,4 +356,5 @@ class LLM:
             finish_reason=req.finish_reason or "length",
             stats=req.stats,
             timing=req.timing,
+            logprobs=req.logprobs,
         )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdecode.sampling import TokenLogprobs
+
 
 @dataclass
 class SpecStats:
@@ -88,7 +90,8 @@ class Timing:
 class RequestOutput:
     """One prompt's result. `token_ids` are the generated tokens only (an end-of-sequence or stop
     token that ended the output included, as in vLLM); `text` excludes special tokens and the
-    stop string. `finish_reason` is "stop" (end of sequence, stop token or string) or "length"."""
+    stop string. `finish_reason` is "stop" (end of sequence, stop token or string) or "length".
+    `logprobs`: see `SamplingParams.logprobs`."""
 
     prompt: str | None
     prompt_token_ids: list[int]
@@ -97,6 +100,7 @@ class RequestOutput:
     finish_reason: str
     stats: SpecStats
     timing: Timing
+    logprobs: list[TokenLogprobs] | None = None  # per token of `token_ids`, when asked
 
     def as_dict(self) -> dict[str, object]:
         return {

@@ -12,6 +12,8 @@ import torch
 
 from specdecode.errors import SpecDecodeError
 
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default limit and OpenAI's chat API allow
+
 
 @dataclass
 class SamplingParams:
@@ -19,7 +21,9 @@ class SamplingParams:
 
     temperature 0 is greedy; top_k -1 (or 0) and top_p 1 disable those filters; `stop` strings end
     the output before the string; `stop_token_ids` end it after the token (as end-of-sequence does
-    unless `ignore_eos`); `seed` makes sampling reproducible per request.
+    unless `ignore_eos`); `seed` makes sampling reproducible per request. `logprobs` N (None =
+    off) asks for each generated token's log-probability and the N most likely alternatives
+    (`TokenLogprobs`), at most `MAX_LOGPROBS`.
     """
 
     max_tokens: int = 16
@@ -30,6 +34,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,6 +49,9 @@ class SamplingParams:
             raise SpecDecodeError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
         if any(not s for s in self.stop):
             raise SpecDecodeError("stop strings must be non-empty")
+        n = self.logprobs
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
+            raise SpecDecodeError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {n!r}")
 
     @property
     def greedy(self) -> bool:
@@ -69,3 +77,31 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Draw one token from a (V,) distribution."""
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The target's log-probabilities where one token was generated: `logprob` of the token
+    itself and `top`, the N most likely tokens as (token id, logprob), most likely first.
+
+    They are of the model's raw distribution, log_softmax of the float32 logits before
+    temperature, top-k and top-p (what vLLM reports by default), so they do not depend on the
+    sampling settings, nor on speculation: each comes from the target row that predicted the
+    token, whether that row verified a draft or decoded plainly."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: int) -> list[TokenLogprobs]:
+    """`TokenLogprobs` of each of `tokens` from (E, V) logits, row e being the distribution
+    `tokens[e]` was drawn from."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (E, V)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    if num_top == 0:
+        return [TokenLogprobs(lp, []) for lp in chosen]
+    top = torch.topk(logprobs, num_top, dim=-1)  # values, indices: (E, N), sorted descending
+    return [
+        TokenLogprobs(lp, list(zip(ids, values, strict=True)))
+        for lp, ids, values in zip(chosen, top.indices.tolist(), top.values.tolist(), strict=True)
+    ]

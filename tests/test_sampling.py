@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdecode.errors import SpecDecodeError
-from specdecode.sampling import SamplingParams, logits_to_probs
+from specdecode.sampling import SamplingParams, logits_to_probs, token_logprobs
 
 
 @pytest.mark.parametrize(
@@ -22,11 +22,24 @@ from specdecode.sampling import SamplingParams, logits_to_probs
         ({"max_tokens": -3}, "max_tokens"),
         ({"top_k": -2}, "top_k"),
         ({"stop": [""]}, "stop"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
     ],
 )
 def test_invalid_values_name_the_setting(kwargs: dict, needle: str) -> None:
     with pytest.raises(SpecDecodeError, match=needle):
         SamplingParams(**kwargs)
+
+
+def test_token_logprobs_are_the_raw_log_softmax_with_the_top_sorted() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.0625, 0.0625], [0.1, 0.2, 0.3, 0.15, 0.25]]))
+    out = token_logprobs(logits * 3.0 + 1.0, [3, 0], 2)  # scale: the logprobs are not the logits'
+    expected = torch.log_softmax(logits * 3.0, -1)
+    assert [o.logprob for o in out] == pytest.approx([float(expected[0, 3]), float(expected[1, 0])])
+    assert [[t for t, _ in o.top] for o in out] == [[0, 1], [2, 4]]
+    assert out[1].top[0][1] == pytest.approx(float(expected[1, 2])) and out[1].top[0][1] > out[1].top[1][1]
+    assert token_logprobs(logits, [1, 1], 0)[0].top == []
 
 
 def test_stop_accepts_a_single_string() -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
@@ -287,7 +288,9 @@ BAD_COMPLETIONS = [
     ),
     ({"model": MODEL, "prompt": "x", "speculative": "prompt_lookup"}, 400, "speculative"),
     ({"model": MODEL, "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
-    ({"model": MODEL, "prompt": "x", "logprobs": 0}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 6}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "logprobs": -1}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
 ]
 
@@ -318,7 +321,22 @@ BAD_CHATS = [
         "max_tokens",
     ),
     ({"model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, 400, "logprobs"),
+    (
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": True,
+            "top_logprobs": 21,
+        },
+        400,
+        "top_logprobs",
+    ),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
 ]
 
 
@@ -590,6 +608,80 @@ def test_real_disconnect_frees_blocks(real) -> None:
         assert next(r.iter_lines()).startswith("data: ")
     wait_for(lambda: engine.stats.num_aborted == aborted + 1)
     wait_for(lambda: engine.stats.kv_blocks_used == 0 and not engine.has_unfinished())
+
+
+def direct_logprobs(llm: LLM, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """(len(output_ids), V) log_softmax of the target's logits where each output token was
+    generated, from one plain forward over the whole sequence (no engine, no speculation)."""
+    ids = prompt_ids + output_ids
+    model = llm.model
+    with torch.inference_mode():
+        hidden = model(torch.tensor([ids]), torch.arange(len(ids))[None], model.new_cache(len(ids)))[0]
+        rows = hidden[len(prompt_ids) - 1 : len(ids) - 1]  # row i predicts ids[i + 1]
+        return torch.log_softmax(model.logits(rows), -1)
+
+
+def test_completion_logprobs_are_the_targets_with_and_without_speculation(real, llm: LLM) -> None:
+    client = openai.OpenAI(base_url=real[0] + "/v1", api_key="x", max_retries=0)
+    prompt = GREEDY_PROMPTS[2]  # prompt lookup's drafts get accepted on it
+    expected = llm.generate(
+        prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), speculative=None
+    )[0]
+    direct = direct_logprobs(llm, expected.prompt_token_ids, expected.token_ids)
+    kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 3}
+    answers = {}
+    for name, spec in (("plain", None), ("lookup", SPECS[1])):
+        extra = {"speculative": spec, "ignore_eos": True}
+        out = client.completions.create(**kwargs, extra_body=extra)
+        lp = out.choices[0].logprobs
+        assert out.choices[0].text == expected.text
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 12
+        assert lp.tokens == [llm.tokenizer.decode([t], skip_special_tokens=False) for t in expected.token_ids]
+        assert lp.text_offset == [len(llm.tokenizer.decode(expected.token_ids[:i])) for i in range(12)]
+        chosen = direct[torch.arange(12), torch.tensor(expected.token_ids)].tolist()
+        assert lp.token_logprobs == pytest.approx(chosen, abs=1e-4)
+        for top, token, row in zip(lp.top_logprobs, lp.tokens, direct, strict=True):
+            values = list(top.values())
+            assert 1 <= len(top) <= 4 and values == sorted(values, reverse=True)
+            assert (
+                values[0] == pytest.approx(float(row.max()), abs=1e-4) and top[token] == values[0]
+            )  # greedy
+        if spec is not None:
+            assert out.usage.model_dump()["num_accepted_tokens"] > 0  # accepted rows were used
+        chunks = list(client.completions.create(**kwargs, stream=True, extra_body=extra))
+        streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+        # the same up to rounding: the stream reuses the first request's prompt blocks
+        assert [x for c in streamed for x in c.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-5)
+        assert [x for c in streamed for x in c.text_offset] == lp.text_offset
+        answers[name] = lp
+    assert answers["lookup"].token_logprobs == pytest.approx(answers["plain"].token_logprobs, abs=1e-5)
+    assert answers["lookup"].top_logprobs[0] == pytest.approx(answers["plain"].top_logprobs[0], abs=1e-5)
+
+
+def test_chat_logprobs_whole_and_streamed(real, llm: LLM) -> None:
+    client = openai.OpenAI(base_url=real[0] + "/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": GREEDY_PROMPTS[1]}]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    expected = llm.chat(messages, params, speculative=None)[0]
+    direct = direct_logprobs(llm, expected.prompt_token_ids, expected.token_ids)
+    kwargs = {"model": MODEL, "messages": messages, "max_tokens": 10, "temperature": 0, "logprobs": True}
+    extra = {"speculative": SPECS[1], "ignore_eos": True}
+    out = client.chat.completions.create(**kwargs, top_logprobs=5, extra_body=extra)
+    content = out.choices[0].logprobs.content
+    assert len(content) == 10
+    for entry, token, row in zip(content, expected.token_ids, direct, strict=True):
+        assert entry.token == llm.tokenizer.decode([token], skip_special_tokens=False)
+        assert entry.bytes == list(entry.token.encode())
+        assert entry.logprob == pytest.approx(float(row[token]), abs=1e-4)
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 5 and tops == sorted(tops, reverse=True)
+        assert entry.top_logprobs[0].token == entry.token  # greedy picks the most likely
+    chunks = list(client.chat.completions.create(**kwargs, top_logprobs=5, stream=True, extra_body=extra))
+    streamed = [e for c in chunks if c.choices[0].logprobs is not None for e in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    bare = client.chat.completions.create(**kwargs, extra_body=extra)  # no top_logprobs: none listed
+    assert [e.top_logprobs for e in bare.choices[0].logprobs.content] == [[]] * 10
+    assert client.chat.completions.create(**kwargs | {"logprobs": False}).choices[0].logprobs is None
 
 
 @pytest.mark.real

@@ -315,6 +315,33 @@ def test_sampled_requests_keep_their_own_stream(setup) -> None:
     assert serve(engine, requests) == expected
 
 
+def test_logprobs_in_a_mixed_batch_equal_the_single_request_engines(setup) -> None:
+    """Each delta carries one `TokenLogprobs` per new token, as `LLM.generate` computes them
+    alone, for every method and for sampled requests too (raw logprobs, not the tempered ones)."""
+    llm, methods = setup
+    ps = prompts(len(methods) + 2, seed=4)
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2) for _ in methods]
+    params += [
+        SamplingParams(max_tokens=10, temperature=0.7, seed=i, ignore_eos=True, logprobs=0) for i in (1, 2)
+    ]
+    specs = [*methods, None, methods[1]]
+    engine = ServingEngine(llm, ServingConfig(block_size=4, policy=False))
+    got: dict[str, list] = {str(i): [] for i in range(len(ps))}
+    for i, (p, sp, spec) in enumerate(zip(ps, params, specs, strict=True)):
+        engine.add_request(ServeRequest(str(i), p, sp, parse_speculative(spec)))
+    while engine.has_unfinished():
+        for d in engine.step():
+            assert d.logprobs is not None and len(d.logprobs) == len(d.new_token_ids)
+            got[d.request_id] += d.logprobs
+    for i, (p, sp, spec) in enumerate(zip(ps, params, specs, strict=True)):
+        want = llm.generate([p], sp, speculative=spec)[0].logprobs
+        assert want is not None and len(got[str(i)]) == len(want) == 10
+        assert [g.logprob for g in got[str(i)]] == pytest.approx([w.logprob for w in want], abs=1e-4)
+        assert [[t for t, _ in g.top] for g in got[str(i)]] == [[t for t, _ in w.top] for w in want]
+        assert all(len(g.top) == sp.logprobs for g in got[str(i)])
+    assert llm.generate([ps[0]], SamplingParams(max_tokens=2))[0].logprobs is None  # not asked
+
+
 def test_bad_requests_and_settings(setup) -> None:
     llm, _ = setup
     per_block = PagedKVStorage.block_bytes(llm.model.config, 4, llm.model.dtype)

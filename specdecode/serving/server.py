@@ -34,7 +34,8 @@ from starlette.exceptions import HTTPException
 
 from specdecode.errors import SpecDecodeError
 from specdecode.llm import LLM, TextStream
-from specdecode.sampling import SamplingParams
+from specdecode.models.tokenizer import Tokenizer
+from specdecode.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from specdecode.serving.async_engine import AsyncEngine, EngineStopped, RequestStream
 from specdecode.serving.config import ServingConfig
 from specdecode.serving.engine import RequestDelta, ServeRequest
@@ -54,9 +55,9 @@ UNSUPPORTED: dict[str, Any] = {
     "tools": [],
     "tool_choice": "none",
     "response_format": {"type": "text"},
-    "logprobs": False,  # chat's flag; completions' `logprobs: 0` (the sampled token's) is refused too
-    "top_logprobs": 0,
 }
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit (chat allows MAX_LOGPROBS)
+LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity: a token of probability 0 reports this, as vLLM
 
 # ---- errors ------------------------------------------------------------------------------------
 
@@ -117,6 +118,7 @@ Body = TypeVar("Body", bound=GenerationBody)
 
 class CompletionBody(GenerationBody):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
 
 class ContentPart(BaseModel):
@@ -139,6 +141,8 @@ class Message(BaseModel):
 class ChatBody(GenerationBody):
     messages: list[Message]
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 async def parse_body(request: Request, model: type[Body]) -> Body:
@@ -172,17 +176,51 @@ class Choice:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     last: RequestDelta | None = None
+    logprobs: list[TokenLogprobs] | None = None  # per token, when the request asked
+    offsets: list[int] = dataclasses.field(default_factory=list)  # where each token's text starts
+    released: int = 0  # leading tokens whose logprobs went out in stream chunks
 
     def feed(self, delta: RequestDelta) -> str:
         """Take one delta; return the text it releases."""
         self.last = delta
+        start = len(self.token_ids)
         self.token_ids += delta.new_token_ids
+        if self.logprobs is not None and delta.logprobs is not None:
+            self.logprobs += delta.logprobs
+            decode = self.text.tokenizer.decode
+            self.offsets += [len(decode(self.token_ids[:i])) for i in range(start, len(self.token_ids))]
         piece = self.text.update(self.token_ids, final=delta.finished)
         if self.text.stopped:
             self.finish_reason = "stop"
         elif delta.finished:
             self.finish_reason = delta.finish_reason or "stop"
         return piece
+
+    def logged(self, start: int = 0) -> list[Logged] | None:
+        """The logprobs of the tokens from `start` whose text is out: while running, the text
+        released so far; at the end every token but those after a stop string's start."""
+        if self.logprobs is None:
+            return None
+        if self.finish_reason is None or self.text.stopped:
+            end = self.text.sent if self.finish_reason is None else len(self.text.text)
+            upto = next((i for i, at in enumerate(self.offsets) if at >= end), len(self.offsets))
+        else:
+            upto = len(self.offsets)
+        return [Logged(self.token_ids[i], self.offsets[i], self.logprobs[i]) for i in range(start, upto)]
+
+    def take_logprobs(self) -> list[Logged] | None:
+        """`logged` tokens not yet handed out, marking them handed out."""
+        out = self.logged(self.released)
+        self.released += len(out or [])
+        return out
+
+
+class Logged(NamedTuple):
+    """One generated token with where its text starts and its logprobs."""
+
+    token_id: int
+    offset: int
+    logprobs: TokenLogprobs
 
 
 class Piece(NamedTuple):
@@ -191,6 +229,7 @@ class Piece(NamedTuple):
     index: int
     text: str
     finish_reason: str | None
+    logprobs: list[Logged] | None  # tokens whose logprobs go with this text (None: not asked)
 
 
 async def _pump(choice: Choice, stream: RequestStream, emit: Callable[[Piece], None] | None) -> None:
@@ -199,12 +238,12 @@ async def _pump(choice: Choice, stream: RequestStream, emit: Callable[[Piece], N
         async for delta in stream:
             piece = choice.feed(delta)
             if emit is not None and (piece or choice.finish_reason):
-                emit(Piece(choice.index, piece, choice.finish_reason))
+                emit(Piece(choice.index, piece, choice.finish_reason, choice.take_logprobs()))
             if choice.finish_reason is not None:
                 return
     choice.finish_reason = "abort"
     if emit is not None:
-        emit(Piece(choice.index, "", choice.finish_reason))
+        emit(Piece(choice.index, "", choice.finish_reason, choice.take_logprobs()))
 
 
 def usage(choices: list[Choice]) -> dict[str, Any]:
@@ -321,7 +360,12 @@ class Server:
             raise APIError(400, f"speculative: {exc}", param="speculative") from None
 
     def params(
-        self, body: GenerationBody, max_tokens: int | None, longest_prompt: int, default: int
+        self,
+        body: GenerationBody,
+        max_tokens: int | None,
+        longest_prompt: int,
+        default: int,
+        logprobs: int | None = None,
     ) -> SamplingParams:
         room = self.context - longest_prompt
         if max_tokens is not None and max_tokens > room:
@@ -341,6 +385,7 @@ class Server:
                 seed=body.seed,
                 stop=stop,
                 ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
             )
         except SpecDecodeError as exc:
             raise APIError(400, str(exc)) from None
@@ -358,7 +403,9 @@ class Server:
                 reqs.append(
                     ServeRequest(f"{prefix}-{index}", ids, dataclasses.replace(params, seed=seed), spec)
                 )
-                choices.append(Choice(index, len(ids), j == 0, TextStream(self.llm.tokenizer, params.stop)))
+                text = TextStream(self.llm.tokenizer, params.stop)
+                logprobs = None if params.logprobs is None else []
+                choices.append(Choice(index, len(ids), j == 0, text, logprobs=logprobs))
         return reqs, choices
 
     async def submit(self, reqs: list[ServeRequest]) -> list[RequestStream]:
@@ -459,8 +506,50 @@ def _sse(payload: dict[str, Any]) -> str:
 class Shape:
     """How one endpoint spells its responses (completions and chat completions differ)."""
 
-    def __init__(self, kind: Literal["completion", "chat"], request_id: str, model: str) -> None:
+    def __init__(
+        self, kind: Literal["completion", "chat"], request_id: str, model: str, tokenizer: Tokenizer
+    ) -> None:
         self.kind, self.id, self.model, self.created = kind, request_id, model, int(time.time())
+        self.tokenizer = tokenizer
+
+    def logprobs(self, logged: list[Logged] | None) -> dict[str, Any] | None:
+        """The `logprobs` of a choice or chunk: completions' parallel lists (`top_logprobs` maps
+        token text to logprob, the chosen token included, as the legacy API does), or chat's
+        `content` entries (`top_logprobs` the N most likely, most likely first)."""
+        if logged is None:
+            return None
+        text = self._token_text
+        if self.kind == "completion":
+            tops = []
+            for token, _, lp in logged:
+                top: dict[str, float] = {}
+                for t, v in [*lp.top, (token, lp.logprob)]:  # tokens of the same text: the likeliest
+                    top.setdefault(text(t), max(v, LOGPROB_FLOOR))
+                tops.append(top)
+            return {
+                "tokens": [text(t.token_id) for t in logged],
+                "token_logprobs": [max(t.logprobs.logprob, LOGPROB_FLOOR) for t in logged],
+                "top_logprobs": tops,
+                "text_offset": [t.offset for t in logged],
+            }
+
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            s = text(token)
+            return {"token": s, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(s.encode())}
+
+        content = [
+            {
+                **entry(t.token_id, t.logprobs.logprob),
+                "top_logprobs": [entry(i, v) for i, v in t.logprobs.top],
+            }
+            for t in logged
+        ]
+        return {"content": content}
+
+    def _token_text(self, token: int) -> str:
+        """One token's text, special tokens spelled out (a token that is part of a multi-byte
+        character reads as U+FFFD, as in vLLM)."""
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -468,7 +557,12 @@ class Shape:
     def whole(self, choices: list[Choice], usage: dict[str, Any]) -> dict[str, Any]:
         if self.kind == "completion":
             body = [
-                {"index": c.index, "text": c.text.text, "logprobs": None, "finish_reason": c.finish_reason}
+                {
+                    "index": c.index,
+                    "text": c.text.text,
+                    "logprobs": self.logprobs(c.logged()),
+                    "finish_reason": c.finish_reason,
+                }
                 for c in choices
             ]
             return {**self._head("text_completion"), "choices": body, "usage": usage}
@@ -476,7 +570,7 @@ class Shape:
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text.text},
-                "logprobs": None,
+                "logprobs": self.logprobs(c.logged()),
                 "finish_reason": c.finish_reason,
             }
             for c in choices
@@ -496,7 +590,7 @@ class Shape:
             entry = {
                 "index": piece.index,
                 "text": piece.text,
-                "logprobs": None,
+                "logprobs": self.logprobs(piece.logprobs),
                 "finish_reason": piece.finish_reason,
             }
             out = {**self._head("text_completion"), "choices": [entry]}
@@ -504,7 +598,7 @@ class Shape:
             entry = {
                 "index": piece.index,
                 "delta": {"content": piece.text} if piece.text else {},
-                "logprobs": None,
+                "logprobs": self.logprobs(piece.logprobs),
                 "finish_reason": piece.finish_reason,
             }
             out = {**self._head("chat.completion.chunk"), "choices": [entry]}
@@ -559,11 +653,11 @@ def create_app(
         ]
         for prompt_ids in ids:
             server.check_prompt(prompt_ids, "prompt")
-        params = server.params(body, body.max_tokens, max(map(len, ids)), default=16)
+        params = server.params(body, body.max_tokens, max(map(len, ids)), 16, body.logprobs)
         prefix = f"cmpl-{uuid.uuid4().hex}"
         reqs, choices = server.requests(prefix, ids, body, params)
         return await server.answer(
-            request, body, reqs, choices, Shape("completion", prefix, server.model_name)
+            request, body, reqs, choices, Shape("completion", prefix, server.model_name, server.llm.tokenizer)
         )
 
     @app.post("/v1/chat/completions", dependencies=authorized)
@@ -579,10 +673,15 @@ def create_app(
             raise APIError(400, f"messages: {exc}", param="messages") from None
         server.check_prompt(ids, "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = server.params(body, max_tokens, len(ids), default=server.context)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = server.params(body, max_tokens, len(ids), server.context, logprobs)
         prefix = f"chatcmpl-{uuid.uuid4().hex}"
         reqs, choices = server.requests(prefix, [ids], body, params)
-        return await server.answer(request, body, reqs, choices, Shape("chat", prefix, server.model_name))
+        return await server.answer(
+            request, body, reqs, choices, Shape("chat", prefix, server.model_name, server.llm.tokenizer)
+        )
 
     @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict[str, Any]:
