@@ -20,9 +20,9 @@ from specdecode.errors import SpecDecodeError
 from specdecode.kv_cache import SequenceCache
 from specdecode.models.transformer import Transformer
 from specdecode.outputs import SpecStats, Timing
-from specdecode.sampling import SamplingParams, TokenLogprobs, logits_to_probs, sample, token_logprobs
+from specdecode.sampling import SamplingParams, logits_to_probs, sample
 from specdecode.tree import DraftTree
-from specdecode.verify import Verdict, greedy_walk, verify_sampling
+from specdecode.verify import greedy_walk, verify_sampling
 
 PREFILL_CHUNK = 512  # prompt tokens per forward: bounds the attention scores' memory
 
@@ -53,8 +53,6 @@ class Request:
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params
-        # Per output token when the request asked for logprobs (`SamplingParams.logprobs`).
-        self.logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self.drafter = drafter
         # Room for every token this request may produce, plus the widest draft a step may verify.
@@ -91,18 +89,10 @@ class Request:
                 break
         return kept
 
-    def commit(
-        self,
-        emitted: list[int],
-        result: StepResult | None,
-        logprobs: list[TokenLogprobs] | None = None,
-    ) -> list[int]:
-        """Append a step's tokens (and their `logprobs` when the request asked), count it in
-        `stats` and let the drafter observe it (unless the request finished); returns the tokens
-        kept."""
+    def commit(self, emitted: list[int], result: StepResult | None) -> list[int]:
+        """Append a step's tokens, count it in `stats` and let the drafter observe it (unless the
+        request finished); returns the tokens kept."""
         tokens = self.append(emitted)
-        if self.logprobs is not None and logprobs is not None:
-            self.logprobs += logprobs[: len(tokens)]
         if result is None:
             self.stats.record_step(0, 0, 0, len(tokens))
         else:
@@ -111,22 +101,6 @@ class Request:
             if self.finish_reason is None:
                 self.drafter.observe(self, result)  # type: ignore[union-attr]
         return tokens
-
-
-def step_logprobs(
-    model: Transformer,
-    req: Request,
-    hidden: torch.Tensor,  # (T, C) the step plan's rows, as given to `StepPlan.finish`
-    emitted: list[int],
-    result: StepResult | None,
-) -> list[TokenLogprobs] | None:
-    """`TokenLogprobs` of a step's `emitted` tokens when the request asked (else None), each from
-    the row that predicted it: the root's for a plain step, else the root and the accepted path
-    (`Verdict.kept_indices`), so speculation does not change them."""
-    if req.params.logprobs is None:
-        return None
-    rows = hidden[:1] if result is None else hidden[result.verdict.kept_indices]  # (E, C)
-    return token_logprobs(model.logits(rows), emitted, req.params.logprobs)
 
 
 @dataclass(frozen=True)
@@ -183,22 +157,29 @@ class StepPlan:
         req: Request,
         start: int,
         hidden: torch.Tensor,  # (T, C) the forward's rows for this plan
-        root_best: int | None = None,
+        greedy: Sequence[int] | None = None,
     ) -> tuple[list[int], StepResult | None]:
         """Verify, compact the cache to the root and the accepted path, and return the emitted
-        tokens with what the drafter should observe (None for a plain step). `root_best` is the
-        target's greedy token after the root when the caller computed it already (a batch runs
-        the LM head on every greedy root row at once)."""
+        tokens with what the drafter should observe (None for a plain step). `greedy` holds the
+        target's greedy token of each row when the caller screened them already (a batch screens
+        every greedy request's rows in one pass of the LM head); tokens are resolved lazily, so a
+        walk down the tree reads only the rows on its accepted path."""
+        if req.params.greedy and greedy is None:
+            greedy = model.greedy_rows(hidden)
         if self.tree is None:
-            if req.params.greedy:
-                return [root_best] if root_best is not None else model.greedy_tokens(hidden), None
+            if greedy is not None:
+                return [greedy[0]], None
             logits = model.logits(hidden[-1])  # (V,)
             return [sample(logits_to_probs(logits, req.params), req.generator)], None
         tree = self.tree
         n = tree.num_nodes
-        side_best = model.greedy_tokens(hidden[n + 1 :]) if self.length > n + 1 else None  # M ints
-        if req.params.greedy:
-            verdict = verify_greedy_rows(model, tree, hidden[: n + 1], root_best)
+        side_best = None  # M ints
+        if self.length > n + 1 and greedy is not None:
+            side_best = [greedy[i] for i in range(n + 1, self.length)]
+        elif self.length > n + 1:
+            side_best = model.greedy_tokens(hidden[n + 1 :])
+        if greedy is not None:
+            verdict = greedy_walk(tree, greedy)
         else:
             probs = logits_to_probs(model.logits(hidden[: n + 1]), req.params)
             verify = req.drafter.sampling_verifier if req.drafter is not None else None
@@ -208,30 +189,19 @@ class StepPlan:
         return verdict.tokens, StepResult(verdict, hidden, side_best, n, max_depth)
 
 
-def verify_greedy_rows(
-    model: Transformer, tree: DraftTree, hidden: torch.Tensor, root_best: int | None = None
-) -> Verdict:
-    """`verify_greedy` from hidden rows (N+1, C): one screening pass of the LM head over the rows
-    (on CPU a few rows cost about what one does), then exact tokens resolved only along the walk.
-    `root_best` is the root row's token when the caller has it already."""
-    if root_best is None:
-        return greedy_walk(tree, model.greedy_rows(hidden))
-    if not bool((tree.tokens[tree.parents == 0] == root_best).any()):
-        return Verdict([], [root_best])
-    return greedy_walk(tree, _Rooted(root_best, model.greedy_rows(hidden[1:])))
+class RowSlice(Sequence[int]):
+    """Rows `start .. start+length-1` of a lazy sequence of greedy tokens, read only when asked."""
 
-
-class _Rooted(Sequence[int]):
-    """`[root, *rest]` without reading `rest` (lazy greedy rows) until asked."""
-
-    def __init__(self, root: int, rest: Sequence[int]) -> None:
-        self.root, self.rest = root, rest
+    def __init__(self, rows: Sequence[int], start: int, length: int) -> None:
+        self.rows, self.start, self.length = rows, start, length
 
     def __len__(self) -> int:
-        return 1 + len(self.rest)
+        return self.length
 
     def __getitem__(self, i: int) -> int:  # type: ignore[override]
-        return self.root if i == 0 else self.rest[i - 1]
+        if not 0 <= i < self.length:
+            raise IndexError(i)
+        return self.rows[self.start + i]
 
 
 class Engine:
@@ -253,18 +223,16 @@ class Engine:
         return torch.cat(hidden)
 
     @torch.inference_mode()
-    def step(self, req: Request) -> tuple[list[int], StepResult | None, list[TokenLogprobs] | None]:
+    def step(self, req: Request) -> tuple[list[int], StepResult | None]:
         """One target forward over the root and the drafter's proposal (if any).
 
-        Returns the emitted tokens, for a speculative step what the drafter should observe, and
-        the tokens' logprobs when the request asked."""
+        Returns the emitted tokens and, for a speculative step, what the drafter should observe."""
         proposal = req.drafter.propose(req) if req.drafter is not None else None
         plan = StepPlan.prepare(req, proposal, self.model.device)
         segment = plan.segment(req.cache)
         positions = (segment.start + plan.depths)[None]  # (1, T)
         hidden = self.model.forward_plan(plan.ids[None], positions, AttentionPlan([segment]))[0]
-        emitted, result = plan.finish(self.model, req, segment.start, hidden)
-        return emitted, result, step_logprobs(self.model, req, hidden, emitted, result)
+        return plan.finish(self.model, req, segment.start, hidden)
 
     def generate(self, req: Request) -> Iterator[list[int]]:
         """Run `req` until it finishes (or the caller stops iterating and sets `finish_reason`),
@@ -275,8 +243,8 @@ class Engine:
             req.drafter.begin(req, prompt_hidden)
         req.timing.prefill_s = time.perf_counter() - t0
         while req.finish_reason is None:
-            emitted, result, logprobs = self.step(req)
-            tokens = req.commit(emitted, result, logprobs)
+            emitted, result = self.step(req)
+            tokens = req.commit(emitted, result)
             now = time.perf_counter() - t0
             req.timing.first_token_s = req.timing.first_token_s or now
             req.timing.total_s = now

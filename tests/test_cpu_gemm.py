@@ -86,7 +86,7 @@ def test_tiled_model_matches_untiled(tiny_model_dir) -> None:
 
 
 @pytest.mark.skipif(cpu_gemm.kernel_bf16() is None, reason="no AVX512_BF16 CPU or C++ compiler here")
-@pytest.mark.parametrize("m", [1, 4, 13, 30])
+@pytest.mark.parametrize("m", [1, 4, 13, 30, 100, 800])
 def test_bf16_kernel_sums_bf16_products_in_float32(m: int) -> None:
     """The screening head's product: inputs and weights rounded to bfloat16, then float32 sums
     (so within float32 rounding of the exact product of the rounded operands)."""

@@ -119,49 +119,77 @@ constexpr RowsBf16Fn kRowsBf16[kMaxRows + 1] = {
     nullptr,       rows_bf16<1>, rows_bf16<2>, rows_bf16<3>,  rows_bf16<4>,  rows_bf16<5>, rows_bf16<6>,
     rows_bf16<7>, rows_bf16<8>, rows_bf16<9>, rows_bf16<10>, rows_bf16<11>, rows_bf16<12>};
 
-}  // namespace
+using TileBf16Fn = void (*)(const uint32_t*, int64_t, const uint16_t*, float*, int64_t);
+constexpr TileBf16Fn kTilesBf16[kMaxRows + 1] = {
+    nullptr,        tile_bf16<1>,  tile_bf16<2>,  tile_bf16<3>, tile_bf16<4>, tile_bf16<5>, tile_bf16<6>,
+    tile_bf16<7>,   tile_bf16<8>,  tile_bf16<9>,  tile_bf16<10>, tile_bf16<11>, tile_bf16<12>};
 
-// x (M, K) bf16 as raw 16-bit words, K even; w tiled as above; y (M, N) float32. Call only where
-// the CPU has AVX512_BF16. Returns 0, or -1 for shapes the tiles do not cover.
-extern "C" int specdecode_tiled_mm_bf16(const uint16_t* x, const uint16_t* w, float* y, int64_t M,
-                                        int64_t K, int64_t N, int threads) {
-    if (N % kTile != 0 || K % 2 != 0) return -1;
+constexpr int64_t kMaxBlocks = 64;
+
+// Splits M rows into blocks of at most 12, as even as possible (16 rows are 8 + 8, not 12 + 4):
+// fills start/size and returns the number of blocks, or -1 above kMaxBlocks.
+int64_t row_blocks(int64_t M, int64_t* start, int64_t* size) {
     const int64_t blocks = (M + kMaxRows - 1) / kMaxRows;
-    int64_t done = 0;
-    for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t mb = (M - done + (blocks - b) - 1) / (blocks - b);
-        kRowsBf16[mb](reinterpret_cast<const uint32_t*>(x + done * K), w, y + done * N, K / 2, N, threads);
-        done += mb;
-    }
-    return 0;
-}
-
-using TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t);
-constexpr TileFn kTiles[kMaxRows + 1] = {nullptr,        tiles<1, 1>,  tiles<2, 1>,  tiles<3, 1>, tiles<4, 1>,
-                                         tiles<5, 1>,    tiles<6, 1>,  tiles<7, 1>,  tiles<8, 1>, tiles<9, 1>,
-                                         tiles<10, 1>,   tiles<11, 1>, tiles<12, 1>};
-
-// Returns 0, or -1 when N is not a multiple of the tile width.
-extern "C" int specdecode_tiled_mm(const float* x, const float* w, float* y, int64_t M, int64_t K,
-                                   int64_t N, int threads) {
-    if (N % kTile != 0) return -1;
-    // Rows in blocks of at most 12, as even as possible: 16 rows are 8 + 8, not 12 + 4.
-    const int64_t blocks = (M + kMaxRows - 1) / kMaxRows;
-    if (blocks == 1) {
-        kRows[M](x, w, y, K, N, threads);
-        return 0;
-    }
-    // Several blocks: every block runs over a tile while it is in L2, so the weights still come
-    // from memory once (a pass per block read them `blocks` times).
-    constexpr int64_t kMaxBlocks = 64;
     if (blocks > kMaxBlocks) return -1;
-    int64_t start[kMaxBlocks], size[kMaxBlocks];
     int64_t done = 0;
     for (int64_t b = 0; b < blocks; ++b) {
         size[b] = (M - done + (blocks - b) - 1) / (blocks - b);
         start[b] = done;
         done += size[b];
     }
+    return blocks;
+}
+
+}  // namespace
+
+// x (M, K) bf16 as raw 16-bit words, K even; w tiled as above; y (M, N) float32. Call only where
+// the CPU has AVX512_BF16. Returns 0, or -1 for shapes the tiles do not cover. Several row blocks
+// each run over a tile while it is in L2 (the screening head reads its 56 MB once for any M).
+extern "C" int specdecode_tiled_mm_bf16(const uint16_t* x, const uint16_t* w, float* y, int64_t M,
+                                        int64_t K, int64_t N, int threads) {
+    if (N % kTile != 0 || K % 2 != 0) return -1;
+    int64_t start[kMaxBlocks], size[kMaxBlocks];
+    const int64_t blocks = row_blocks(M, start, size);
+    if (blocks < 0) return -1;
+    if (blocks == 1) {
+        kRowsBf16[M](reinterpret_cast<const uint32_t*>(x), w, y, K / 2, N, threads);
+        return 0;
+    }
+    const int64_t n_tiles = N / kTile;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t begin = n_tiles * me / parts, end = n_tiles * (me + 1) / parts;
+        for (int64_t t = begin; t < end; ++t)
+            for (int64_t b = 0; b < blocks; ++b)
+                kTilesBf16[size[b]](reinterpret_cast<const uint32_t*>(x + start[b] * K), K / 2,
+                                    w + t * K * kTile, y + start[b] * N + t * kTile, N);
+    }
+    return 0;
+}
+
+namespace {
+
+using TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t);
+constexpr TileFn kTiles[kMaxRows + 1] = {nullptr,        tiles<1, 1>,  tiles<2, 1>,  tiles<3, 1>, tiles<4, 1>,
+                                         tiles<5, 1>,    tiles<6, 1>,  tiles<7, 1>,  tiles<8, 1>, tiles<9, 1>,
+                                         tiles<10, 1>,   tiles<11, 1>, tiles<12, 1>};
+
+}  // namespace
+
+// Returns 0, or -1 when N is not a multiple of the tile width.
+extern "C" int specdecode_tiled_mm(const float* x, const float* w, float* y, int64_t M, int64_t K,
+                                   int64_t N, int threads) {
+    if (N % kTile != 0) return -1;
+    int64_t start[kMaxBlocks], size[kMaxBlocks];
+    const int64_t blocks = row_blocks(M, start, size);
+    if (blocks < 0) return -1;
+    if (blocks == 1) {
+        kRows[M](x, w, y, K, N, threads);
+        return 0;
+    }
+    // Several blocks: every block runs over a tile while it is in L2, so the weights still come
+    // from memory once (a pass per block read them `blocks` times).
     const int64_t n_tiles = N / kTile;
 #pragma omp parallel num_threads(threads)
     {

@@ -34,6 +34,7 @@ TILE = 32
 # every block of 12 rows over a tile while it is in L2; bfloat16 makes a pass per 12 rows.
 MAX_KERNEL_ROWS = 64
 MAX_KERNEL_ROWS_BF16 = 24
+BF16_CALL_ROWS = 64 * 12  # the most rows one call of the bf16 kernel takes
 _SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
 ENV_SWITCH = "SPECDECODE_CPU_KERNELS"
 
@@ -211,5 +212,8 @@ def tiled_matmul_bf16(x: torch.Tensor, tiled: torch.Tensor) -> torch.Tensor:
     t, k2, w, _ = tiled.shape
     xb = x.to(torch.bfloat16).contiguous()
     y = torch.empty(x.shape[0], t * w)
-    fn(xb.data_ptr(), tiled.data_ptr(), y.data_ptr(), x.shape[0], 2 * k2, t * w, torch.get_num_threads())
+    threads = torch.get_num_threads()
+    for s in range(0, x.shape[0], BF16_CALL_ROWS):
+        part, out = xb[s : s + BF16_CALL_ROWS], y[s : s + BF16_CALL_ROWS]
+        fn(part.data_ptr(), tiled.data_ptr(), out.data_ptr(), part.shape[0], 2 * k2, t * w, threads)
     return y

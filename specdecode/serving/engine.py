@@ -23,17 +23,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
 import torch
 
 from specdecode.attention import AttentionPlan, Segment
 from specdecode.drafters.base import Proposal, StepResult
-from specdecode.engine import Request, StepPlan, step_logprobs
+from specdecode.engine import Request, RowSlice, StepPlan
 from specdecode.errors import SpecDecodeError
 from specdecode.llm import LLM
 from specdecode.outputs import SpecStats
-from specdecode.sampling import SamplingParams, TokenLogprobs
+from specdecode.sampling import SamplingParams
 from specdecode.serving.config import ServingConfig
 from specdecode.serving.paged_cache import PagedCache, PagedKVStorage
 from specdecode.serving.policy import (
@@ -74,7 +75,7 @@ class RequestDelta:
     num_prompt_tokens: int
     num_cached_prompt_tokens: int  # prompt tokens served from reused KV blocks
     stats: SpecStats  # cumulative for the request
-    logprobs: list[TokenLogprobs] | None = None  # one per new token when the request asked
+    logprobs: list[float] | None = None
 
 
 @dataclass
@@ -319,18 +320,23 @@ class ServingEngine:
         for _, plan, _ in plans:
             offsets.append(at)
             at += plan.length
-        # The LM head over every greedy request's root row at once: one matmul, not one each.
+        # One screening pass of the LM head over every greedy request's rows, not one per request:
+        # each request then resolves exact tokens along its own accepted path only.
         greedy = [i for i, (seq, _, _) in enumerate(plans) if seq.req.params.greedy]
-        root_best: dict[int, int] = {}
+        screened: dict[int, SequenceOf[int]] = {}
         if greedy:
-            best = self.model.greedy_tokens(hidden[[offsets[i] for i in greedy]])
-            root_best = dict(zip(greedy, best, strict=True))
+            rows_of = [torch.arange(offsets[i], offsets[i] + plans[i][1].length) for i in greedy]
+            best = self.model.greedy_rows(hidden[torch.cat(rows_of)])
+            at_row = 0
+            for i in greedy:
+                screened[i] = RowSlice(best, at_row, plans[i][1].length)
+                at_row += plans[i][1].length
         deltas = []
         for i, (seq, plan, seg) in enumerate(plans):
             req = seq.req
             rows = hidden[offsets[i] : offsets[i] + plan.length]  # (T_i, C)
-            emitted, result = plan.finish(self.model, req, seg.start, rows, root_best.get(i))
-            tokens = req.commit(emitted, result, step_logprobs(self.model, req, rows, emitted, result))
+            emitted, result = plan.finish(self.model, req, seg.start, rows, screened.get(i))
+            tokens = req.commit(emitted, result)
             if result is not None:
                 accepted = min(result.verdict.num_draft_accepted, len(tokens))
                 self.stats.record_draft(seq.method, result, accepted)
@@ -349,7 +355,6 @@ class ServingEngine:
                     len(req.prompt_ids),
                     seq.num_cached_prompt_tokens,
                     _snapshot(req.stats),
-                    None if req.logprobs is None else req.logprobs[len(req.logprobs) - len(tokens) :],
                 )
             )
         for seq, seg in chunks:
