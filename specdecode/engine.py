@@ -20,7 +20,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.kv_cache import SequenceCache
 from specdecode.models.transformer import Transformer
 from specdecode.outputs import SpecStats, Timing
-from specdecode.sampling import SamplingParams, logits_to_probs, sample
+from specdecode.sampling import SamplingParams, TokenLogprobs, logits_to_probs, sample, token_logprobs
 from specdecode.tree import DraftTree
 from specdecode.verify import greedy_walk, verify_sampling
 
@@ -53,6 +53,8 @@ class Request:
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params
+        # Per output token when the request asked for logprobs (`SamplingParams.logprobs`).
+        self.logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self.drafter = drafter
         # Room for every token this request may produce, plus the widest draft a step may verify.
@@ -89,10 +91,18 @@ class Request:
                 break
         return kept
 
-    def commit(self, emitted: list[int], result: StepResult | None) -> list[int]:
-        """Append a step's tokens, count it in `stats` and let the drafter observe it (unless the
-        request finished); returns the tokens kept."""
+    def commit(
+        self,
+        emitted: list[int],
+        result: StepResult | None,
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> list[int]:
+        """Append a step's tokens (and their `logprobs` when the request asked), count it in
+        `stats` and let the drafter observe it (unless the request finished); returns the tokens
+        kept."""
         tokens = self.append(emitted)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs += logprobs[: len(tokens)]
         if result is None:
             self.stats.record_step(0, 0, 0, len(tokens))
         else:
@@ -101,6 +111,22 @@ class Request:
             if self.finish_reason is None:
                 self.drafter.observe(self, result)  # type: ignore[union-attr]
         return tokens
+
+
+def step_logprobs(
+    model: Transformer,
+    req: Request,
+    hidden: torch.Tensor,  # (T, C) the step plan's rows, as given to `StepPlan.finish`
+    emitted: list[int],
+    result: StepResult | None,
+) -> list[TokenLogprobs] | None:
+    """`TokenLogprobs` of a step's `emitted` tokens when the request asked (else None), each from
+    the row that predicted it: the root's for a plain step, else the root and the accepted path
+    (`Verdict.kept_indices`), so speculation does not change them."""
+    if req.params.logprobs is None:
+        return None
+    rows = hidden[:1] if result is None else hidden[result.verdict.kept_indices]  # (E, C)
+    return token_logprobs(model.logits(rows), emitted, req.params.logprobs)
 
 
 @dataclass(frozen=True)
@@ -223,16 +249,18 @@ class Engine:
         return torch.cat(hidden)
 
     @torch.inference_mode()
-    def step(self, req: Request) -> tuple[list[int], StepResult | None]:
+    def step(self, req: Request) -> tuple[list[int], StepResult | None, list[TokenLogprobs] | None]:
         """One target forward over the root and the drafter's proposal (if any).
 
-        Returns the emitted tokens and, for a speculative step, what the drafter should observe."""
+        Returns the emitted tokens, for a speculative step what the drafter should observe, and
+        the tokens' logprobs when the request asked."""
         proposal = req.drafter.propose(req) if req.drafter is not None else None
         plan = StepPlan.prepare(req, proposal, self.model.device)
         segment = plan.segment(req.cache)
         positions = (segment.start + plan.depths)[None]  # (1, T)
         hidden = self.model.forward_plan(plan.ids[None], positions, AttentionPlan([segment]))[0]
-        return plan.finish(self.model, req, segment.start, hidden)
+        emitted, result = plan.finish(self.model, req, segment.start, hidden)
+        return emitted, result, step_logprobs(self.model, req, hidden, emitted, result)
 
     def generate(self, req: Request) -> Iterator[list[int]]:
         """Run `req` until it finishes (or the caller stops iterating and sets `finish_reason`),
@@ -243,8 +271,8 @@ class Engine:
             req.drafter.begin(req, prompt_hidden)
         req.timing.prefill_s = time.perf_counter() - t0
         while req.finish_reason is None:
-            emitted, result = self.step(req)
-            tokens = req.commit(emitted, result)
+            emitted, result, logprobs = self.step(req)
+            tokens = req.commit(emitted, result, logprobs)
             now = time.perf_counter() - t0
             req.timing.first_token_s = req.timing.first_token_s or now
             req.timing.total_s = now

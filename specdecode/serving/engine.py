@@ -30,11 +30,11 @@ import torch
 
 from specdecode.attention import AttentionPlan, Segment
 from specdecode.drafters.base import Proposal, StepResult
-from specdecode.engine import Request, RowSlice, StepPlan
+from specdecode.engine import Request, RowSlice, StepPlan, step_logprobs
 from specdecode.errors import SpecDecodeError
 from specdecode.llm import LLM
 from specdecode.outputs import SpecStats
-from specdecode.sampling import SamplingParams
+from specdecode.sampling import SamplingParams, TokenLogprobs
 from specdecode.serving.config import ServingConfig
 from specdecode.serving.paged_cache import PagedCache, PagedKVStorage
 from specdecode.serving.policy import (
@@ -75,7 +75,7 @@ class RequestDelta:
     num_prompt_tokens: int
     num_cached_prompt_tokens: int  # prompt tokens served from reused KV blocks
     stats: SpecStats  # cumulative for the request
-    logprobs: list[float] | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token when the request asked
 
 
 @dataclass
@@ -336,7 +336,7 @@ class ServingEngine:
             req = seq.req
             rows = hidden[offsets[i] : offsets[i] + plan.length]  # (T_i, C)
             emitted, result = plan.finish(self.model, req, seg.start, rows, screened.get(i))
-            tokens = req.commit(emitted, result)
+            tokens = req.commit(emitted, result, step_logprobs(self.model, req, rows, emitted, result))
             if result is not None:
                 accepted = min(result.verdict.num_draft_accepted, len(tokens))
                 self.stats.record_draft(seq.method, result, accepted)
@@ -355,6 +355,7 @@ class ServingEngine:
                     len(req.prompt_ids),
                     seq.num_cached_prompt_tokens,
                     _snapshot(req.stats),
+                    None if req.logprobs is None else req.logprobs[len(req.logprobs) - len(tokens) :],
                 )
             )
         for seq, seg in chunks:
