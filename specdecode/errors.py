@@ -8,3 +8,7 @@ non-zero; the API raises it (it is a `ValueError`, so callers that catch those k
 
 class SpecDecodeError(ValueError):
     """Bad input or environment, explained in one line that names the setting or file."""
+
+
+class OutOfKVBlocks(SpecDecodeError):
+    """A paged KV cache's pool has no free block: the memory budget is spent for now."""

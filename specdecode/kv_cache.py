@@ -36,6 +36,10 @@ class SequenceCache(Protocol):
 
     def truncate(self, length: int) -> None: ...
 
+    def release(self) -> None:
+        """Forget every token and give back what the cache holds in a shared pool, if anything."""
+        ...
+
     def compact(self, start: int, keep: torch.Tensor | list[int]) -> None: ...
 
     # For attention kernels that read the cache in place: a layer's (H_kv, S, D) key and value
@@ -106,6 +110,10 @@ class KVCache:
     def truncate(self, length: int) -> None:
         """Keep only the first `length` tokens."""
         self.rollback(self.length - length)
+
+    def release(self) -> None:
+        """Forget every token (its tensors are its own: nothing to give back)."""
+        self.length = 0
 
     def compact(self, start: int, keep: torch.Tensor | list[int]) -> None:
         """Keep the slots `start + keep[i]` (a tree's accepted path, in order) at `start + i` and

@@ -37,6 +37,7 @@ from specdecode.spec_config import (
 )
 
 if TYPE_CHECKING:
+    from specdecode.drafters.draft_model import DraftCacheFactory
     from specdecode.drafters.eagle import EagleHead
     from specdecode.drafters.medusa import MedusaHeads
     from specdecode.drafters.redrafter import ReDrafterHead
@@ -223,23 +224,27 @@ class LLM:
             self._eagle_heads[where] = head
         return self._eagle_heads[where]
 
-    def _drafter(self, spec: SpecConfig | None) -> Drafter | None:
-        """A fresh drafter for one request (drafters keep per-request state)."""
+    def _drafter(
+        self, spec: SpecConfig | None, draft_cache: DraftCacheFactory | None = None
+    ) -> Drafter | None:
+        """A fresh drafter for one request (drafters keep per-request state). `draft_cache` makes
+        a draft model's KV cache (None: a static one; the serving engine passes paged ones)."""
         vocab = self.model.config.vocab_size
         if spec is None:
             return None
         if isinstance(spec, DraftModelConfig):
-            from specdecode.drafters.draft_model import DraftModelDrafter
+            from specdecode.drafters.draft_model import DraftModelDrafter, static_cache
 
-            return DraftModelDrafter(spec, self.draft_model(spec.draft_model, spec.draft_dtype), vocab)
+            draft = self.draft_model(spec.draft_model, spec.draft_dtype)
+            return DraftModelDrafter(spec, draft, vocab, draft_cache or static_cache)
         if isinstance(spec, PromptLookupConfig):
-            from specdecode.drafters.draft_model import DraftModelDrafter
+            from specdecode.drafters.draft_model import DraftModelDrafter, static_cache
             from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 
             fallback = None
             if spec.draft_model is not None:
                 draft = self.draft_model(spec.draft_model, spec.draft_dtype)
-                fallback = DraftModelDrafter(spec, draft, vocab)
+                fallback = DraftModelDrafter(spec, draft, vocab, draft_cache or static_cache)
             return PromptLookupDrafter(spec, fallback)
         if isinstance(spec, LookaheadConfig):
             from specdecode.drafters.lookahead import LookaheadDrafter

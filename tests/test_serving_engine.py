@@ -342,6 +342,75 @@ def test_logprobs_in_a_mixed_batch_equal_the_single_request_engines(setup) -> No
     assert llm.generate([ps[0]], SamplingParams(max_tokens=2))[0].logprobs is None  # not asked
 
 
+def draft_specs(llm: LLM, methods: list[dict | None]) -> list[dict]:
+    """Draft-model methods: the target as its own draft, another draft, prompt lookup's fallback."""
+    return [
+        {"method": "draft_model", "draft_model": llm.model_name, "num_draft_tokens": 3},
+        methods[4],
+        {"method": "prompt_lookup", "draft_model": llm.model_name, "num_candidates": 2},
+    ]
+
+
+def test_draft_models_use_paged_blocks_freed_on_finish_abort_and_preemption(setup) -> None:
+    llm, methods = setup
+    specs = draft_specs(llm, methods) * 3 + [None]
+    ps = prompts(len(specs), seed=5)
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True) for _ in specs]
+    params[4] = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
+    expected = {str(i): alone(llm, p, params[i], s) for i, (p, s) in enumerate(zip(ps, specs, strict=True))}
+    per_block = PagedKVStorage.block_bytes(llm.model.config, 4, llm.model.dtype)
+    config = ServingConfig(block_size=4, kv_cache_memory=40 * per_block, policy=False, prefix_caching=False)
+    engine = ServingEngine(llm, config)
+    for i, (p, s) in enumerate(zip(ps, specs, strict=True)):
+        engine.add_request(ServeRequest(str(i), p, params[i], parse_speculative(s)))
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(specs))}
+    most_draft_blocks = 0
+    while engine.has_unfinished():
+        for d in engine.step():
+            out[d.request_id] += d.new_token_ids
+        most_draft_blocks = max(most_draft_blocks, engine.stats.draft_kv_blocks_used)
+        if len(out["7"]) >= 3 and "7" in engine.sequences:
+            engine.abort("7")
+    cut = out.pop("7")
+    assert len(cut) >= 3 and cut == expected.pop("7")[: len(cut)]
+    assert out == expected
+    assert engine.stats.num_preemptions > 0 and engine.stats.num_aborted == 1
+    assert len(engine.draft_storages) == 2  # the target as its own draft, and the other draft model
+    assert all(d.pool.num_blocks == engine.pool.num_blocks for d in engine.draft_storages.values())
+    assert most_draft_blocks > 0
+    assert engine.stats.draft_kv_blocks_used == 0 and engine.stats.kv_blocks_used == 0
+
+
+def test_short_of_draft_blocks_a_request_decodes_plainly(setup) -> None:
+    """A draft pool too small for the request: the steps it cannot draft are plain, still exact."""
+    llm, methods = setup
+    spec = draft_specs(llm, methods)[0]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # with 16 tokens and 3 drafts: more than 20
+    engine = ServingEngine(llm, ServingConfig(block_size=4, policy=False))
+    draft = llm.draft_model(llm.model_name)
+    engine.draft_storages[draft] = PagedKVStorage(draft.config, 5, 4, draft.dtype)  # 20 tokens
+    out = serve(engine, [ServeRequest("a", prompt, params, parse_speculative(spec))])
+    assert out["a"] == alone(llm, prompt, params, spec)
+    assert engine.stats.drafts_proposed["draft_model"] > 0  # it drafted until the blocks ran out
+    assert engine.stats.draft_kv_blocks_used == 0
+
+
+def test_default_draft_model_shares_the_memory_budget(setup) -> None:
+    llm, _ = setup
+    spec = parse_speculative({"method": "draft_model", "draft_model": llm.model_name})
+    draft = llm.draft_model(llm.model_name)
+    target_block = PagedKVStorage.block_bytes(llm.model.config, 4, llm.model.dtype)
+    draft_block = PagedKVStorage.block_bytes(draft.config, 4, draft.dtype)
+    memory = 50 * target_block
+    engine = ServingEngine(
+        llm, ServingConfig(block_size=4, kv_cache_memory=memory, speculative=spec, policy=False)
+    )
+    assert engine.pool.num_blocks == memory // (target_block + draft_block) < 50
+    serve(engine, [ServeRequest("a", prompts(1)[0], SamplingParams(max_tokens=4), spec)])
+    assert engine.stats.draft_kv_blocks_total == engine.pool.num_blocks
+
+
 def test_bad_requests_and_settings(setup) -> None:
     llm, _ = setup
     per_block = PagedKVStorage.block_bytes(llm.model.config, 4, llm.model.dtype)

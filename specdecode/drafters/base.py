@@ -76,3 +76,7 @@ class Drafter(ABC):
 
     def observe(self, req: Request, result: StepResult) -> None:  # noqa: B027
         """Learn from the step's outcome; `req.all_ids` already includes the emitted tokens."""
+
+    def release(self) -> None:  # noqa: B027
+        """Give back what the drafter holds outside the request (a draft model's paged KV blocks):
+        the request finished, was aborted or was preempted. A later `propose` starts over."""

@@ -3,7 +3,10 @@
 The draft keeps its own KV cache for the whole request, so each step it only runs the tokens it
 has not seen (the tokens the target emitted last step, at least the root) and then K single-token
 forwards; it never re-reads the prompt. After verification its cache is cut back to the longest
-prefix that still agrees with the request, which with a static cache is bookkeeping only.
+prefix that still agrees with the request, which is bookkeeping only. The cache is a static
+`KVCache` by default; the serving engine passes a factory of paged caches over a shared block pool
+(`DraftCacheFactory`). When such a pool runs out of blocks, the step drafts nothing (a plain step,
+still exact) and the draft gives its blocks back, to start over at the next step.
 
 Losslessness does not depend on the draft at all, only on telling the verifier the truth about
 where each draft token came from: under sampling a token is drawn from the draft's processed
@@ -14,13 +17,14 @@ lower acceptance rate). Greedy drafting is argmax, verified by token matching.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from specdecode.drafters.base import Drafter, Proposal, StepResult
-from specdecode.errors import SpecDecodeError
-from specdecode.kv_cache import KVCache
+from specdecode.errors import OutOfKVBlocks, SpecDecodeError
+from specdecode.kv_cache import SequenceCache
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import logits_to_probs, sample
@@ -30,6 +34,14 @@ if TYPE_CHECKING:
     from specdecode.engine import Request
 
 FEED_CHUNK = 512  # tokens per draft forward when catching up: bounds the attention scores' memory
+
+# (draft model, max_len) -> an empty cache for one request's draft, of at most max_len tokens.
+DraftCacheFactory = Callable[[Transformer, int], SequenceCache]
+
+
+def static_cache(draft: Transformer, max_len: int) -> SequenceCache:
+    """The default `DraftCacheFactory`: a static `KVCache` per request."""
+    return draft.new_cache(max_len)
 
 
 class DraftSettings(Protocol):
@@ -52,11 +64,18 @@ class DraftModelDrafter(Drafter):
     correctness does not.
 
     Made per request; the engine calls `begin` after its prefill (here: the draft's own prefill
-    of the prompt minus its last token); `propose` also starts it lazily if `begin` was skipped.
-    Assumes `req.all_ids` only grows by appending (the engine's contract).
+    of the prompt minus its last token); `propose` also starts it lazily if `begin` was skipped
+    or the cache was released. Assumes `req.all_ids` only grows by appending (the engine's
+    contract). `new_cache` makes the draft's cache (see `DraftCacheFactory`).
     """
 
-    def __init__(self, config: DraftSettings, draft: Transformer, target_vocab_size: int) -> None:
+    def __init__(
+        self,
+        config: DraftSettings,
+        draft: Transformer,
+        target_vocab_size: int,
+        new_cache: DraftCacheFactory = static_cache,
+    ) -> None:
         self.num_draft_tokens = config.num_draft_tokens
         self.use_draft_logits = config.use_draft_logits
         self.draft = draft
@@ -64,7 +83,8 @@ class DraftModelDrafter(Drafter):
         self.draft_vocab_size = draft.config.vocab_size
         self.shared_vocab = min(self.draft_vocab_size, target_vocab_size)
         self.max_nodes = self.num_draft_tokens
-        self.cache: KVCache | None = None
+        self.new_cache = new_cache
+        self.cache: SequenceCache | None = None
         # Token of every slot in the draft's cache (len == cache.length): the request's tokens
         # followed by the draft tokens fed last step.
         self._fed: list[int] = []
@@ -78,17 +98,35 @@ class DraftModelDrafter(Drafter):
     def begin(self, req: Request, prompt_hidden: torch.Tensor | None) -> None:
         """Make the draft's cache (as large as the request's) and prefill the prompt without its
         last token, the first root. `prompt_hidden` (the target's) is not used."""
-        self.cache = self.draft.new_cache(req.max_len)
-        self._fed, self._agreed = [], 0
+        self.release()
+        self.cache = self.new_cache(self.draft, req.max_len)
         prefix = req.prompt_ids[:-1]
         if len(prefix) < self.cache.max_len:  # else the prompt exceeds the draft's context
-            self._feed(prefix)
+            try:
+                self._feed(prefix)
+            except OutOfKVBlocks:  # propose starts over
+                self.release()
 
     @torch.inference_mode()
     def propose(self, req: Request) -> Proposal:
+        try:
+            return self._propose(req)
+        except OutOfKVBlocks:  # draft nothing this step; give the blocks back for others
+            self.release()
+            return Proposal(DraftTree.empty())
+
+    def release(self) -> None:
+        """Free the draft's cache (its blocks, when paged) and forget what it held."""
+        if self.cache is not None:
+            self.cache.release()
+        self.cache = None
+        self._fed, self._agreed = [], 0
+
+    def _propose(self, req: Request) -> Proposal:
         if self.cache is None:
             self.begin(req, None)
-        assert self.cache is not None
+        if self.cache is None:  # begin ran out of blocks
+            return Proposal(DraftTree.empty())
         ids = req.all_ids
         length = len(ids)
         # Target: the root and K draft tokens need `length + K` slots of req.max_len. Draft:

@@ -94,6 +94,10 @@ class PromptLookupDrafter(Drafter):
         if self.fallback is not None:
             self.fallback.observe(req, result)
 
+    def release(self) -> None:
+        if self.fallback is not None:
+            self.fallback.release()
+
     # ---- the search ------------------------------------------------------------------------------
 
     def lookup(self, ids: list[int], max_tokens: int) -> list[int]:

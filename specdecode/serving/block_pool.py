@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import OutOfKVBlocks, SpecDecodeError
 
 NO_PARENT = 0  # the chained hash of the empty prefix
 
@@ -73,7 +73,7 @@ class BlockPool:
     def allocate(self) -> int:
         """A block for new writes, evicting the least recently freed cached prefix if need be."""
         if not self._free:
-            raise SpecDecodeError("out of KV cache blocks")  # callers check can_allocate first
+            raise OutOfKVBlocks("out of KV cache blocks")  # the scheduler checks can_allocate first
         block, _ = self._free.popitem(last=False)
         self._unregister(block)
         self.refcount[block] = 1

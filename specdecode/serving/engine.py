@@ -14,8 +14,10 @@ prefix-cache registration, finished requests free their blocks).
 
 Greedy requests emit exactly the tokens they emit alone: each request's rows attend only to its
 own cache (the attention plan's segments), and greedy tokens are the model's exact argmax.
-Sampled requests draw from their own seeded generator. Draft models keep a static KV cache per
-request (not paged).
+Sampled requests draw from their own seeded generator. A draft model's KV cache is paged too:
+one `PagedKVStorage` per draft model (made at its first request) with as many blocks as the
+target's pool, each request's draft cache a `PagedCache` over it, freed with the target's blocks
+when the request finishes, is aborted or is preempted (`Drafter.release`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from specdecode.drafters.base import Proposal, StepResult
 from specdecode.engine import Request, RowSlice, StepPlan, step_logprobs
 from specdecode.errors import SpecDecodeError
 from specdecode.llm import LLM
+from specdecode.models.transformer import Transformer
 from specdecode.outputs import SpecStats
 from specdecode.sampling import SamplingParams, TokenLogprobs
 from specdecode.serving.config import ServingConfig
@@ -46,7 +49,7 @@ from specdecode.serving.policy import (
     method_rates,
 )
 from specdecode.serving.scheduler import Scheduler, Sequence
-from specdecode.spec_config import LookaheadConfig, SpecConfig
+from specdecode.spec_config import DraftModelConfig, LookaheadConfig, PromptLookupConfig, SpecConfig
 from specdecode.tree import DraftTree
 
 __all__ = ["EngineStats", "RequestDelta", "ServeRequest", "ServingConfig", "ServingEngine"]
@@ -93,6 +96,8 @@ class EngineStats:
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     kv_blocks_reused: int = 0
+    draft_kv_blocks_total: int = 0  # over every draft model's storage
+    draft_kv_blocks_used: int = 0
     drafts_proposed: dict[str, int] = field(default_factory=dict)
     drafts_accepted: dict[str, int] = field(default_factory=dict)
     accepted_by_position: dict[str, list[int]] = field(default_factory=dict)
@@ -123,6 +128,7 @@ class ServingEngine:
         self.model = llm.model
         self.config = config
         self.device = self.model.device
+        self.draft_storages: dict[Transformer, PagedKVStorage] = {}  # made at first use
         num_blocks = self._num_blocks()
         self.storage = PagedKVStorage(
             self.model.config, num_blocks, config.block_size, self.model.dtype, self.device
@@ -142,9 +148,15 @@ class ServingEngine:
 
     def _num_blocks(self) -> int:
         """Blocks in the memory budget; by default a fraction of the memory free now, and no more
-        than `max_num_seqs` requests of the model's full context could use."""
+        than `max_num_seqs` requests of the model's full context could use. When the default
+        speculative method drafts with a model, the budget holds that many blocks of the draft
+        model too (its storage has as many blocks as the target's pool)."""
         cfg = self.config
         per_block = PagedKVStorage.block_bytes(self.model.config, cfg.block_size, self.model.dtype)
+        spec = cfg.speculative
+        if isinstance(spec, DraftModelConfig | PromptLookupConfig) and spec.draft_model is not None:
+            draft = self.llm.draft_model(spec.draft_model, spec.draft_dtype)
+            per_block += PagedKVStorage.block_bytes(draft.config, cfg.block_size, draft.dtype)
         if cfg.kv_cache_memory is not None:
             num = cfg.kv_cache_memory // per_block
             if num < 1:
@@ -169,7 +181,7 @@ class ServingEngine:
         default = self.config.speculative
         if isinstance(spec, LookaheadConfig) and isinstance(default, LookaheadConfig):
             spec.check_within(default)
-        drafter = self.llm._drafter(spec)
+        drafter = self.llm._drafter(spec, self._draft_cache)
         request = Request(
             self.model,
             req.prompt_ids,
@@ -193,6 +205,16 @@ class ServingEngine:
         self.stats.num_requests += 1
         self.stats.num_prompt_tokens += len(req.prompt_ids)
         self._update_gauges()
+
+    def _draft_cache(self, draft: Transformer, max_len: int) -> PagedCache:
+        """A request's KV cache for `draft`, over that draft model's block storage."""
+        storage = self.draft_storages.get(draft)
+        if storage is None:
+            storage = PagedKVStorage(
+                draft.config, self.pool.num_blocks, self.config.block_size, draft.dtype, draft.device
+            )
+            self.draft_storages[draft] = storage
+        return PagedCache(storage, min(max_len, draft.config.max_position_embeddings))
 
     def abort(self, request_id: str) -> None:
         """Drop a request and free its blocks now (no delta is emitted for it); unknown ids are ignored."""
@@ -384,6 +406,8 @@ class ServingEngine:
         s.num_running = len(self.scheduler.running)
         s.kv_blocks_used = self.pool.num_used
         s.kv_blocks_reused = self.pool.num_reused
+        s.draft_kv_blocks_total = sum(d.pool.num_blocks for d in self.draft_storages.values())
+        s.draft_kv_blocks_used = sum(d.pool.num_used for d in self.draft_storages.values())
         s.num_preemptions = self.scheduler.num_preemptions
 
 

@@ -67,6 +67,13 @@ def render(stats: EngineStats) -> str:
         ("num_requests_running", "gauge", "Requests in the running batch.", stats.num_running),
         ("kv_blocks_total", "gauge", "KV cache blocks of the target model.", stats.kv_blocks_total),
         ("kv_blocks_used", "gauge", "KV cache blocks held by requests.", stats.kv_blocks_used),
+        ("draft_kv_blocks_total", "gauge", "KV cache blocks of draft models.", stats.draft_kv_blocks_total),
+        (
+            "draft_kv_blocks_used",
+            "gauge",
+            "Draft models' KV blocks held by requests.",
+            stats.draft_kv_blocks_used,
+        ),
         (
             "kv_blocks_reused_total",
             "counter",

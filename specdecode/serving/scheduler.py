@@ -56,6 +56,12 @@ class Sequence:
     def prefilling(self) -> bool:
         return self.cache.length < self.target_len
 
+    def release(self) -> None:
+        """Free the target's blocks and whatever the drafter holds (a draft model's blocks)."""
+        self.cache.release()
+        if self.req.drafter is not None:
+            self.req.drafter.release()
+
 
 class Scheduler:
     """The queue and the running set over one block pool."""
@@ -72,8 +78,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
-        """Drop a finished or aborted sequence and free its blocks."""
-        seq.cache.release()
+        """Drop a finished or aborted sequence and free its blocks (its draft model's too)."""
+        seq.release()
         if seq in self.running:
             self.running.remove(seq)
         else:
@@ -90,7 +96,7 @@ class Scheduler:
         return True
 
     def preempt(self, seq: Sequence) -> None:
-        seq.cache.release()
+        seq.release()
         self.running.remove(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
