@@ -42,6 +42,7 @@ from specdecode.serving.config import ServingConfig
 from specdecode.serving.paged_cache import PagedCache, PagedKVStorage
 from specdecode.serving.policy import (
     EMA,
+    FORGET,
     Candidate,
     LatencyCurve,
     SpeculationPolicy,
@@ -261,6 +262,12 @@ class ServingEngine:
                 spent = time.perf_counter() - tp
                 draft_seconds += spent
                 seq.draft_cost += EMA * (spent / k - seq.draft_cost)
+                seq.idle_steps = 0
+            elif req.drafter is not None:
+                # Not measured this step: let the estimate fade, so that one slow `propose` (a
+                # pause, a first-call index build) cannot keep a request from drafting for good.
+                seq.draft_cost *= 1 - EMA
+                seq.idle_steps += 1
             plan = StepPlan.prepare(req, proposal, self.device)
             if not self.scheduler.make_room(seq, plan.length):
                 continue
@@ -311,7 +318,9 @@ class ServingEngine:
                 self.stats.proposed_by_position.get(seq.method, []),
                 self.stats.accepted_by_position.get(seq.method, []),
             )
-            rates = accept_rates(stats.proposed_by_position, stats.accepted_by_position, prior, depth)
+            rates = accept_rates(
+                stats.proposed_by_position, stats.accepted_by_position, prior, depth, FORGET**seq.idle_steps
+            )
             candidates.append(Candidate(depth, rates, seq.draft_cost))
         return self.policy.budgets(candidates, base_tokens, rows)
 

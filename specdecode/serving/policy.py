@@ -42,6 +42,7 @@ from specdecode.models.transformer import Transformer
 PRIOR_STRENGTH = 4.0  # pseudo-steps a request's own acceptance counts are shrunk with
 PRIOR_RATE = 0.8  # acceptance rate of draft position 1 assumed before any count (optimistic)
 EMA = 0.1  # weight of the newest sample in the running averages
+FORGET = 0.9  # per step without drafting, how much of a request's own acceptance counts remain
 
 
 class LatencyCurve:
@@ -79,7 +80,8 @@ class LatencyCurve:
             for _ in range(3):
                 positions = torch.arange(context, context + t, device=model.device)[None]  # (1, T)
                 t0 = time.perf_counter()
-                model.forward_plan(ids[:, :t], positions, AttentionPlan([Segment.append(cache, t)]))
+                hidden = model.forward_plan(ids[:, :t], positions, AttentionPlan([Segment.append(cache, t)]))
+                model.greedy_rows(hidden[0])  # the LM head's screening pass over every row
                 if model.device.type == "cuda":
                     torch.cuda.synchronize()
                 best = min(best, time.perf_counter() - t0)
@@ -142,16 +144,25 @@ class SpeculationPolicy:
 
 
 def accept_rates(
-    own_proposed: list[int], own_accepted: list[int], method_rates: list[float], depth: int
+    own_proposed: list[int],
+    own_accepted: list[int],
+    method_rates: list[float],
+    depth: int,
+    weight: float = 1.0,
 ) -> list[float]:
-    """Estimated acceptance rate of draft positions 0..depth-1 for one request: its own counts
-    shrunk towards its method's rates, made non-increasing."""
+    """Estimated acceptance rate of draft positions 0..depth-1 for one request: its own counts,
+    worth `weight` each, shrunk towards its method's rates, made non-increasing.
+
+    The engine lowers `weight` (FORGET per step) while the policy keeps a request from drafting:
+    its counts then say nothing new, and a text that turns repetitive later (where prompt lookup
+    starts to pay) would never be noticed. As they fade, the estimate returns to the method's
+    rate, and a request whose drafts pay at that rate drafts again and measures anew."""
     out: list[float] = []
     last = 1.0
     for d in range(depth):
         prior = method_rates[d] if d < len(method_rates) else PRIOR_RATE ** (d + 1)
-        n = own_proposed[d] if d < len(own_proposed) else 0
-        a = own_accepted[d] if d < len(own_accepted) else 0
+        n = weight * (own_proposed[d] if d < len(own_proposed) else 0)
+        a = weight * (own_accepted[d] if d < len(own_accepted) else 0)
         last = min(last, (a + PRIOR_STRENGTH * prior) / (n + PRIOR_STRENGTH))
         out.append(last)
     return out

@@ -37,6 +37,7 @@ class Sequence:
     num_cached_prompt_tokens: int = 0  # prompt tokens whose KV came from reused blocks
     started: bool = False  # the drafter has been told the prompt is cached (`begin`)
     draft_cost: float = 0.0  # running average of drafting seconds per draft token
+    idle_steps: int = 0  # decoding steps since the policy last let it draft
 
     @property
     def cache(self) -> PagedCache:
