@@ -168,3 +168,15 @@ def test_attention_kernel_rows_do_not_depend_on_the_batch() -> None:
     # B's rows need their ancestors' new keys: run B's tree alone, and A's row alone.
     assert torch.equal(_run_attention(case, [0])[0], together[0])
     assert torch.equal(_run_attention(case, [1, 2, 3, 4])[1:], together[1:])
+
+
+@needs_kernel
+@pytest.mark.parametrize(("m", "c"), [(1, 576), (7, 64), (3, 40)])
+def test_rms_norm_kernel_equals_torch_and_ignores_the_batch(m: int, c: int) -> None:
+    gen = torch.Generator().manual_seed(c)
+    x, w = torch.randn(m, c, generator=gen) * 3, torch.randn(c, generator=gen)
+    got = cpu_gemm.rms_norm(x, w, 1e-5)
+    assert got is not None
+    torch.testing.assert_close(got, torch.nn.functional.rms_norm(x, (c,), w, 1e-5), rtol=1e-5, atol=1e-6)
+    assert torch.equal(torch.cat([cpu_gemm.rms_norm(x[i : i + 1], w, 1e-5) for i in range(m)]), got)
+    assert cpu_gemm.rms_norm(x.double(), w, 1e-5) is None  # other dtypes: the caller's fallback

@@ -100,6 +100,8 @@ def _library() -> ctypes.CDLL | None:
         ctypes.c_int,
     ]
     lib.specdecode_attend_rows.restype = ctypes.c_int
+    lib.specdecode_rms_norm.argtypes = [p, p, p, i, i, ctypes.c_float]
+    lib.specdecode_rms_norm.restype = None
     return lib
 
 
@@ -125,6 +127,25 @@ def attention_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """x (..., C) float32 on CPU -> RMS-normalised and scaled by `weight` (C,), or None where the
+    kernel cannot take it (no kernel, other dtype or device, gradients wanted)."""
+    lib = _library()
+    if (
+        lib is None
+        or x.dtype is not torch.float32
+        or not x.is_cpu
+        or weight.dtype is not torch.float32
+        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):
+        return None
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    c = x.shape[-1]
+    lib.specdecode_rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // c, c, eps)
+    return y
 
 
 def attend_rows(
