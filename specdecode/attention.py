@@ -36,6 +36,13 @@ def tree_mask(start: int, ancestors: torch.Tensor) -> torch.Tensor:
     return torch.cat([prefix, ancestors.bool()], dim=1)
 
 
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x (B, H, T, D), cos/sin (B, 1, T, D): rotate the two halves of each head
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
 @dataclass(frozen=True)
 class Segment:
     """`length` new tokens of one sequence, stored at slots `start..start+length-1` of `cache`.
@@ -70,15 +77,19 @@ class AttentionPlan:
     def attend(
         self,
         layer: int,
-        q: torch.Tensor,  # (B, H, T, D), rotary applied
-        k: torch.Tensor,  # (B, H_kv, T, D), rotary applied
+        q: torch.Tensor,  # (B, H, T, D), before rotary
+        k: torch.Tensor,  # (B, H_kv, T, D), before rotary
         v: torch.Tensor,  # (B, H_kv, T, D)
+        cos: torch.Tensor,  # (B, 1, T, D) rotary tables at each token's position
+        sin: torch.Tensor,  # (B, 1, T, D)
     ) -> torch.Tensor:
-        """Store every segment's keys/values and return the attention output (B, H, T, D)."""
+        """Rotate queries and keys, store every segment's keys/values and return the attention
+        output (B, H, T, D)."""
         if not self._laid_out:
             self._rows, self._laid_out = _KernelRows.build(self.segments, q), True
         if self._rows is not None:
-            return self._attend_kernel(self._rows, layer, q, k, v)
+            return self._attend_kernel(self._rows, layer, q, k, v, cos, sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if len(self.segments) == 1:
             return self._attend_one(self.segments[0], layer, q, k, v)
         outs, s = [], 0
@@ -89,20 +100,31 @@ class AttentionPlan:
         return torch.cat(outs, dim=2)
 
     def _attend_kernel(
-        self, rows: _KernelRows, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        rows: _KernelRows,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
     ) -> torch.Tensor:
-        """The short segments through the CPU kernel in one call, the others through SDPA."""
+        """The short segments through the CPU kernel in one call (rotary applied inside), the
+        others through SDPA."""
         b, h, t, d = q.shape
         out = torch.empty(b, t, h, d, dtype=q.dtype)  # (1, T, H, D): the o projection reads it without a copy
         cache_k, cache_v = rows.cache.layer_slots(layer)  # type: ignore[misc]
         cpu_gemm.attend_rows(
-            q[0], k[0], v[0], cache_k, cache_v, rows.rows, rows.new_slots, rows.row_ptr, rows.idx, out[0]
-        )
+            q[0], k[0], v[0], cache_k, cache_v, rows.rows, rows.new_slots, rows.row_ptr, rows.idx, out[0],
+            cos[0, 0], sin[0, 0],
+        )  # fmt: skip
         s = 0
         for seg, fast in zip(self.segments, rows.fast, strict=True):
             e = s + seg.length
             if not fast:
-                part = self._attend_one(seg, layer, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e])
+                c, n = cos[:, :, s:e], sin[:, :, s:e]
+                qs, ks = apply_rotary(q[:, :, s:e], c, n), apply_rotary(k[:, :, s:e], c, n)
+                part = self._attend_one(seg, layer, qs, ks, v[:, :, s:e])
                 out[:, s:e] = part.transpose(1, 2)
             s = e
         return out.transpose(1, 2)

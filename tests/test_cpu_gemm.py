@@ -180,3 +180,26 @@ def test_rms_norm_kernel_equals_torch_and_ignores_the_batch(m: int, c: int) -> N
     torch.testing.assert_close(got, torch.nn.functional.rms_norm(x, (c,), w, 1e-5), rtol=1e-5, atol=1e-6)
     assert torch.equal(torch.cat([cpu_gemm.rms_norm(x[i : i + 1], w, 1e-5) for i in range(m)]), got)
     assert cpu_gemm.rms_norm(x.double(), w, 1e-5) is None  # other dtypes: the caller's fallback
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", cpu_gemm.ATTENTION_HEAD_DIMS)
+def test_attention_kernel_rotates_queries_and_keys_bitwise_as_torch(d: int) -> None:
+    """Rotary inside the kernel (decode rows) must equal torch's (SDPA segments) to the bit: both
+    write keys into the same caches."""
+    from specdecode.attention import apply_rotary
+
+    case = _attention_case(d, seed=2 * d)
+    angles = torch.rand(5, d // 2, generator=torch.Generator().manual_seed(d)) * 6  # (T, D/2)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()  # (T, D)
+    rotated = dict(case, q=apply_rotary(case["q"], cos, sin), k=apply_rotary(case["k"], cos, sin))
+    want = _run_attention(rotated, [0, 1, 2, 3, 4])  # also checks the rotated keys went into the cache
+    cache_k, cache_v = case["cache_k"].clone(), case["cache_v"].clone()
+    sees = case["sees"]
+    out = torch.full_like(want, float("nan"))
+    cpu_gemm.attend_rows(
+        case["q"], case["k"], case["v"], cache_k, cache_v, torch.arange(5), case["new_slots"],
+        torch.tensor([0] + [len(s) for s in sees]).cumsum(0), torch.cat(sees), out, cos, sin,
+    )  # fmt: skip
+    assert torch.equal(out, want)
+    assert torch.equal(cache_k[:, case["new_slots"]], rotated["k"])

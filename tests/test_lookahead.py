@@ -257,7 +257,7 @@ def test_window_advances_by_one_jacobi_iteration(tiny: Transformer) -> None:
     engine = Engine(tiny)
     drafter.begin(req, engine.prefill(req))
     before = [row[:] for row in drafter.window]
-    emitted, result = engine.step(req)
+    emitted, result, _ = engine.step(req)
     req.append(emitted)
     assert result is not None and result.side_best is not None
     drafter.observe(req, result)

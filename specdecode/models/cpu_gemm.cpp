@@ -237,6 +237,22 @@ inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+// Rotary embedding of one head's row: y = x * cos + rotate_half(x) * sin, each product and the sum
+// rounded as torch's three elementwise ops round them (no fused multiply-add), so keys rotated here
+// and keys rotated by torch (prefill chunks through SDPA) are bitwise the same.
+__attribute__((optimize("fp-contract=off"))) void rotate(const float* __restrict x,
+                                                          const float* __restrict cos,
+                                                          const float* __restrict sin, int64_t D,
+                                                          float* __restrict y) {
+    const int64_t half = D / 2;
+    for (int64_t d = 0; d < D; ++d) {
+        const float r = d < half ? -x[d + half] : x[d - half];
+        const float a = x[d] * cos[d];
+        const float b = r * sin[d];
+        y[d] = a + b;
+    }
+}
+
 // One query row of one head: softmax(q . k_j * scale) over the row's slots, times v_j.
 // NC = head_dim / 16. `s` is scratch for L scores (rounded up to 16).
 template <int NC>
@@ -279,7 +295,7 @@ void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, in
                  const float* vn, int64_t v_sh, int64_t v_st, float* kc, float* vc, int64_t c_sh,
                  const int64_t* rows, const int64_t* new_slot, int64_t n_rows, const int64_t* row_ptr,
                  const int64_t* idx, float* out, int64_t o_st, int64_t Hq, int64_t Hkv, float scale,
-                 int threads) {
+                 const float* cos, const float* sin, int threads) {
     constexpr int64_t D = NC * 16;
     int64_t longest = 0;
     for (int64_t r = 0; r < n_rows; ++r) longest = std::max(longest, row_ptr[r + 1] - row_ptr[r]);
@@ -292,17 +308,27 @@ void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, in
             const int64_t r = task / Hkv, h = task % Hkv, t = rows[r];
             float* kd = kc + h * c_sh + new_slot[r] * D;
             float* vd = vc + h * c_sh + new_slot[r] * D;
-            for (int c = 0; c < NC; ++c) {
-                _mm512_storeu_ps(kd + c * 16, _mm512_loadu_ps(kn + h * k_sh + t * k_st + c * 16));
-                _mm512_storeu_ps(vd + c * 16, _mm512_loadu_ps(vn + h * v_sh + t * v_st + c * 16));
+            if (cos != nullptr) {
+                rotate(kn + h * k_sh + t * k_st, cos + t * D, sin + t * D, D, kd);
+            } else {
+                for (int c = 0; c < NC; ++c)
+                    _mm512_storeu_ps(kd + c * 16, _mm512_loadu_ps(kn + h * k_sh + t * k_st + c * 16));
             }
+            for (int c = 0; c < NC; ++c)
+                _mm512_storeu_ps(vd + c * 16, _mm512_loadu_ps(vn + h * v_sh + t * v_st + c * 16));
         }
         std::vector<float> scratch(longest + 16);
         // Consecutive heads of one row share their key/value head: they run on one thread.
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < n_rows * Hq; ++task) {
             const int64_t r = task / Hq, h = task % Hq, t = rows[r], kvh = h / group;
-            attend_row<NC>(q + h * q_sh + t * q_st, kc + kvh * c_sh, vc + kvh * c_sh, idx + row_ptr[r],
+            const float* qr = q + h * q_sh + t * q_st;
+            float rotated[D];
+            if (cos != nullptr) {
+                rotate(qr, cos + t * D, sin + t * D, D, rotated);
+                qr = rotated;
+            }
+            attend_row<NC>(qr, kc + kvh * c_sh, vc + kvh * c_sh, idx + row_ptr[r],
                            row_ptr[r + 1] - row_ptr[r], scale, out + t * o_st + h * D, scratch.data());
         }
     }
@@ -310,8 +336,9 @@ void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, in
 
 }  // namespace
 
-// q (H, T, D) at strides (q_sh, q_st); new keys/values (Hkv, T, D) likewise; the layer's cache
-// kc/vc (Hkv, S, D) with head stride c_sh; for each of `n_rows` rows (indices into T): the slot
+// q (H, T, D) at strides (q_sh, q_st); new keys/values (Hkv, T, D) likewise; cos/sin (T, D) the
+// rotary tables at each row's position, applied here to q and the new keys (null: already done);
+// the layer's cache kc/vc (Hkv, S, D) with head stride c_sh; for each of `n_rows` rows (indices into T): the slot
 // its new key/value goes to and, as CSR (row_ptr, idx), the slots it attends to; out (T, H, D)
 // with row stride o_st. Returns 0, or -1 for a head size the kernel does not take.
 extern "C" int specdecode_attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn,
@@ -320,14 +347,14 @@ extern "C" int specdecode_attend_rows(const float* q, int64_t q_sh, int64_t q_st
                                       const int64_t* rows, const int64_t* new_slot, int64_t n_rows,
                                       const int64_t* row_ptr, const int64_t* idx, float* out,
                                       int64_t o_st, int64_t Hq, int64_t Hkv, int64_t D, float scale,
-                                      int threads) {
+                                      const float* cos, const float* sin, int threads) {
     if (Hkv <= 0 || Hq % Hkv != 0) return -1;
     using Fn = decltype(&attend_rows<1>);
     Fn fn = D == 16 ? attend_rows<1> : D == 32 ? attend_rows<2> : D == 64 ? attend_rows<4>
           : D == 128 ? attend_rows<8> : nullptr;
     if (fn == nullptr) return -1;
     fn(q, q_sh, q_st, kn, k_sh, k_st, vn, v_sh, v_st, kc, vc, c_sh, rows, new_slot, n_rows, row_ptr, idx, out,
-       o_st, Hq, Hkv, scale, threads);
+       o_st, Hq, Hkv, scale, cos, sin, threads);
     return 0;
 }
 

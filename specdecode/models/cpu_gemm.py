@@ -82,23 +82,12 @@ def _library() -> ctypes.CDLL | None:
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         fn.restype = ctypes.c_int
     p, i = ctypes.c_void_p, ctypes.c_int64
-    lib.specdecode_attend_rows.argtypes = [p, i, i] * 3 + [
-        p,
-        p,
-        i,
-        p,
-        p,
-        i,
-        p,
-        p,
-        p,
-        i,
-        i,
-        i,
-        i,
-        ctypes.c_float,
-        ctypes.c_int,
-    ]
+    # q, k, v (pointer, head stride, row stride); caches, head stride; rows, slots, count; CSR;
+    # out, row stride; H, H_kv, D; scale; cos, sin; threads
+    lib.specdecode_attend_rows.argtypes = (
+        [p, i, i] * 3 + [p, p, i] + [p, p, i] + [p, p] + [p, i] + [i, i, i] + [ctypes.c_float]
+        + [p, p] + [ctypes.c_int]
+    )  # fmt: skip
     lib.specdecode_attend_rows.restype = ctypes.c_int
     lib.specdecode_rms_norm.argtypes = [p, p, p, i, i, ctypes.c_float]
     lib.specdecode_rms_norm.restype = None
@@ -159,9 +148,12 @@ def attend_rows(
     row_ptr: torch.Tensor,  # (R+1,) long: row r sees slots idx[row_ptr[r]:row_ptr[r+1]]
     idx: torch.Tensor,  # (nnz,) long
     out: torch.Tensor,  # (T, H, D) float32 contiguous: rows `rows` are written
+    cos: torch.Tensor | None = None,  # (T, D) contiguous: rotary tables at each row's position
+    sin: torch.Tensor | None = None,  # (T, D)
 ) -> None:
     """Store the rows' new keys/values in the cache, then softmax(q k^T / sqrt(D)) v over each
-    row's slots into `out`. Needs `attention_kernel()` and D in ATTENTION_HEAD_DIMS."""
+    row's slots into `out`. With `cos`/`sin`, q and the new keys are rotated first (bitwise as
+    `attention.apply_rotary` does). Needs `attention_kernel()` and D in ATTENTION_HEAD_DIMS."""
     fn = attention_kernel()
     h, _, d = q.shape
     hkv = k.shape[0]
@@ -173,7 +165,9 @@ def attend_rows(
         v.data_ptr(), v.stride(0), v.stride(1),
         cache_k.data_ptr(), cache_v.data_ptr(), cache_k.stride(0),
         rows.data_ptr(), new_slots.data_ptr(), rows.shape[0], row_ptr.data_ptr(), idx.data_ptr(),
-        out.data_ptr(), out.stride(0), h, hkv, d, 1.0 / math.sqrt(d), torch.get_num_threads(),
+        out.data_ptr(), out.stride(0), h, hkv, d, 1.0 / math.sqrt(d),
+        None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
     if done != 0:
         raise ValueError(f"attention kernel: unsupported shape (H={h}, H_kv={hkv}, D={d})")

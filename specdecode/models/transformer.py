@@ -136,13 +136,6 @@ class Rotary(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x (B, H, T, D): rotate the two halves of each head
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
 class Block(nn.Module):
     """Pre-norm attention + SwiGLU MLP.
 
@@ -172,11 +165,9 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         b, t, _ = x.shape
         qkv = self.qkv(self.attn_norm(x)).view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
-        # q and k heads are rotated together: one set of elementwise ops for both
-        qk = apply_rotary(qkv[:, :, : self.n_heads + self.n_kv].transpose(1, 2), cos, sin)
-        q, k = qk.split([self.n_heads, self.n_kv], dim=1)  # (B, H, T, D), (B, H_kv, T, D)
-        v = qkv[:, :, self.n_heads + self.n_kv :].transpose(1, 2)  # (B, H_kv, T, D)
-        att = plan.attend(self.index, q, k, v)  # (B, H, T, D)
+        heads = qkv.transpose(1, 2)  # (B, H + 2 H_kv, T, D), a view
+        q, k, v = heads.split([self.n_heads, self.n_kv, self.n_kv], dim=1)
+        att = plan.attend(self.index, q, k, v, cos, sin)  # (B, H, T, D), rotary applied inside
         x = x + self.o(att.transpose(1, 2).reshape(b, t, -1))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
