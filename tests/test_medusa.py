@@ -23,6 +23,7 @@ import torch
 from specdecode.cli import build_parser, speculative_settings
 from specdecode.drafters.base import Proposal
 from specdecode.drafters.medusa import (
+    DEFAULT_TREE_NODES,
     MedusaDrafter,
     MedusaHeads,
     best_tree,
@@ -230,7 +231,7 @@ def test_best_tree_and_default_tree() -> None:
     assert best_tree([[0.1, 0.3]], 2) == [[0], [1]]  # ranks made non-increasing: still prefix-closed
     for k in (1, 2, 4, 5):
         tree = default_choices(k)
-        assert len(tree) == (10 if k == 1 else 32) and max(len(p) for p in tree) <= k
+        assert len(tree) == DEFAULT_TREE_NODES and max(len(p) for p in tree) <= k
         assert all(p[:-1] in tree for p in tree if len(p) > 1)
 
 
@@ -442,11 +443,16 @@ def test_typical_acceptance_leaves_greedy_exact(target: Transformer) -> None:
 
 @pytest.mark.real
 def test_shipped_heads_on_spec_bench() -> None:
-    """Greedy equality and τ >= 1.5 with the heads shipped for SmolLM2-135M, on one question of
-    each Spec-Bench category."""
+    """Greedy equality and τ >= 1.5 with the heads shipped for SmolLM2-135M and the whole tree
+    fitted to them (the default tree is its first DEFAULT_TREE_NODES nodes, sized for speed on a
+    CPU), on one question of each Spec-Bench category."""
     from specdecode.bench.specbench import DEFAULT_QUESTIONS, load_questions
+    from specdecode.drafters.medusa import shipped_heads
 
-    llm = LLM(model="smollm2-135m", speculative={"method": "medusa"}, progress=False)
+    fitted = load_heads(shipped_heads("smollm2-135m")).choices
+    assert fitted is not None and len(fitted) > DEFAULT_TREE_NODES
+    spec = {"method": "medusa", "medusa_choices": fitted}
+    llm = LLM(model="smollm2-135m", speculative=spec, progress=False)
     params = SamplingParams(max_tokens=96, temperature=0)
     tokens = forwards = 0
     for q in load_questions(DEFAULT_QUESTIONS, per_category=1, categories=None):
