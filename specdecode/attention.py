@@ -173,12 +173,12 @@ class _KernelRows:
         first = segments[0].cache.layer_slots(0)
         if first is None:
             return None
-        storage = first[0].data_ptr()
+        storage = first[0].data_ptr()  # the kernel reads one storage: the first segment's
         fast: list[bool] = []
         rows, new_slots, counts, idx = [], [], [], []
         at = 0
-        for seg in segments:
-            slots = seg.cache.layer_slots(0)
+        for i, seg in enumerate(segments):
+            slots = first if i == 0 else seg.cache.layer_slots(0)
             ok = (
                 seg.length <= KERNEL_MAX_ROWS
                 and (seg.mask is None or seg.mask.dim() == 2)

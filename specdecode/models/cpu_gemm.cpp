@@ -1,7 +1,7 @@
 // y (M, N) = x (M, K) @ W for the few rows of a decoding or verification forward, on AVX-512.
 //
 // W is stored in 32-column tiles, (N / 32, K, 32): tile t is one contiguous K x 32 block, so a
-// thread streams its tiles front to back and every weight is read from memory once for up to 12
+// thread streams its tiles front to back and every weight is read from memory once, however many
 // rows (MKL re-reads or repacks the weights for every few rows, so 8 rows cost ~2x one row).
 // Each output is one running sum over k in ascending order, whatever M, the row's block or the
 // thread count: a row's result is bitwise the same alone or in any batch.
@@ -16,7 +16,8 @@
 namespace {
 
 constexpr int kTile = 32;
-constexpr int kMaxRows = 12;  // 2 x 12 accumulators + 2 weight vectors fit the 32 zmm registers
+constexpr int kMaxRows = 12;  // bf16: 2 x 12 accumulators + 2 weight vectors fit the 32 zmm registers
+constexpr int kPairRows = 6;  // float32 rows per block, run over two tiles at once (2 x 2 x 6 + 4)
 constexpr int kPrefetch = 16;  // weight rows ahead in each stream (16 x 128 B = 2 KB)
 
 // G adjacent tiles at once: G independent memory streams and 2 * G * MB accumulation chains, so
@@ -56,7 +57,7 @@ template <int MB>
 void rows(const float* x, const float* w, float* y, int64_t K, int64_t N, int threads) {
     // Each thread takes an equal contiguous run of tiles (within one tile), in groups of G and
     // then singly: an uneven split leaves a thread idle while memory is the bottleneck.
-    constexpr int G = MB == 1 ? 4 : (MB <= 6 ? 2 : 1);
+    constexpr int G = MB == 1 ? 4 : 2;
     const int64_t n_tiles = N / kTile;
 #pragma omp parallel num_threads(threads)
     {
@@ -69,8 +70,7 @@ void rows(const float* x, const float* w, float* y, int64_t K, int64_t N, int th
 }
 
 using RowsFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int);
-constexpr RowsFn kRows[kMaxRows + 1] = {nullptr,  rows<1>, rows<2>, rows<3>,  rows<4>,  rows<5>, rows<6>,
-                                        rows<7>,  rows<8>, rows<9>, rows<10>, rows<11>, rows<12>};
+constexpr RowsFn kRows[kPairRows + 1] = {nullptr, rows<1>, rows<2>, rows<3>, rows<4>, rows<5>, rows<6>};
 
 // bfloat16 weights for an approximate product (the screening LM head of `greedy_tokens`, whose
 // error bound covers bf16 inputs and float32 accumulation). Tile t holds 32 columns as
@@ -171,7 +171,6 @@ extern "C" int specdecode_tiled_mm_bf16(const uint16_t* x, const uint16_t* w, fl
 namespace {
 
 using TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t);
-constexpr int kPairRows = 6;  // rows per block when blocks run over two tiles at once
 constexpr TileFn kTile1[kPairRows + 1] = {nullptr,     tiles<1, 1>, tiles<2, 1>, tiles<3, 1>,
                                           tiles<4, 1>, tiles<5, 1>, tiles<6, 1>};
 constexpr TileFn kTile2[kPairRows + 1] = {nullptr,     tiles<1, 2>, tiles<2, 2>, tiles<3, 2>,
