@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specdecode.cli import build_parser, main, speculative_settings
 from specdecode.drafters.base import Proposal
@@ -31,7 +32,7 @@ from specdecode.llm import LLM
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
 from specdecode.spec_config import Eagle2Config, EagleConfig, parse_speculative
-from specdecode.train.eagle import TrainSettings, fit
+from specdecode.train.eagle import IGNORE, Batch, TrainSettings, eagle_loss, fit, run_pairs
 from specdecode.train.features import extract
 from specdecode.tree import DraftTree
 from tests.test_draft_model import (
@@ -415,6 +416,37 @@ def test_resumed_training_ends_where_an_uninterrupted_run_does(tiny_chat_dir: Pa
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert not torch.equal(straight.fc.weight_t, fresh().fc.weight_t)
+
+
+def test_loss_over_the_draft_vocabulary(target: Transformer) -> None:
+    """The cross-entropy is a softmax over the draft vocabulary's columns; a label outside it is
+    skipped, and a batch with only such labels still has a finite loss (the regression)."""
+    torch.manual_seed(3)
+    head = EagleHead.for_target(target.config)
+    b, t, c = 2, 5, target.config.hidden_size
+    tokens = torch.randint(0, target.config.vocab_size, (b, t))
+    feats = torch.randn(b, t, c, dtype=torch.float16)
+    nexts = torch.randn(b, t, c, dtype=torch.float16)
+    vocab = torch.arange(0, target.config.vocab_size, 2)  # (V',) the even ids
+    labels = torch.randint(0, vocab.numel(), (b, t))  # columns of the even ids
+    labels[0, 1] = IGNORE
+    trained = torch.ones(b, t, dtype=torch.bool)
+    lm = target.head_weight_t().detach().float()  # (C, V)
+    data = Batch(tokens, feats, nexts, labels, trained)
+    loss, _ = eagle_loss(head, target.embed, lm[:, vocab], data, ce_weight=1.0, noise=0.0)
+
+    with torch.no_grad():
+        g = run_pairs(head, target.embed, tokens, feats.float())[trained]  # (P, C)
+        regression = F.smooth_l1_loss(g, nexts[trained].float())
+        logp = (g @ lm[:, vocab]).log_softmax(-1)  # (P, V')
+        flat = labels[trained]
+        kept = flat != IGNORE
+        ce = -logp[kept.nonzero().squeeze(1), flat[kept]].mean()
+    assert torch.allclose(loss.detach(), regression + ce, atol=1e-5)
+
+    data.labels = torch.full((b, t), IGNORE)
+    only_regression, _ = eagle_loss(head, target.embed, lm[:, vocab], data, ce_weight=1.0, noise=0.0)
+    assert torch.isfinite(only_regression) and torch.allclose(only_regression.detach(), regression, atol=1e-5)
 
 
 def test_train_command_end_to_end(

@@ -17,8 +17,12 @@ LM head on f_{t+1}: the hard label stands for the target distribution EAGLE dist
 features get uniform noise of width `noise` (EAGLE's U(-0.1, 0.1)): at drafting time the head
 reads its own, imperfect guesses.
 
-Cost on a CPU: the LM head (V x C, 49152 x 576 for SmolLM2) on every trained position dominates;
-matmuls run in bfloat16 (autocast; float32 master weights), as for Medusa.
+The cross-entropy runs over the head's draft vocabulary (`--draft-vocab`, the V' ids it will
+draft from; chosen from the training answers before training): drafting takes a softmax over those
+columns only, so training does too, and a label outside them is not trained on.
+
+Cost on a CPU: the LM head (V' x C, 16384 x 576 for SmolLM2 by default) on every trained position
+dominates; matmuls run in bfloat16 (autocast; float32 master weights), as for Medusa.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from specdecode.train.pipeline import (
 )
 
 MAX_RANK = 10  # ranks tracked for the tree fit; deeper ranks are never worth a node
+IGNORE = -100  # a label the cross-entropy skips (outside the draft vocabulary)
 
 
 @dataclass(frozen=True)
@@ -128,7 +133,8 @@ def eagle_loss(
 ) -> tuple[Tensor, float]:
     """(loss, top-1 accuracy): smooth-L1 + ce_weight x CE on the trained positions, and how
     often the drafted token (argmax) is right on the first `probe` of them (a full argmax over
-    V costs as much as the softmax). `lm_weight` (C, V) is frozen; the head's matmuls run in
+    V' costs as much as the softmax). `lm_weight` (C, V') is frozen: the draft vocabulary's
+    columns, and `data.labels` index them (IGNORE: outside it). The head's matmuls run in
     its dtype (autocast to bfloat16 when it is), and so do the logits and their softmax."""
     feats = data.features.float()
     if noise > 0:
@@ -142,7 +148,9 @@ def eagle_loss(
     regression = F.smooth_l1_loss(g, data.next_features[keep].float())
     logits = g.to(lm_weight.dtype) @ lm_weight  # (P, V)
     labels = data.labels[keep]  # (P,)
-    ce = F.cross_entropy(logits, labels).float()
+    ce = F.cross_entropy(logits, labels, ignore_index=IGNORE).float()
+    if not bool((labels != IGNORE).any()):
+        ce = logits.sum() * 0.0  # nothing to classify (cross_entropy would give NaN)
     hits = (logits[:probe].detach().float().argmax(-1) == labels[:probe]).float().mean()
     return regression + ce_weight * ce, float(hits) if labels.numel() else float("nan")
 
@@ -158,19 +166,27 @@ def fit(
     """Train `head` in place on the training sequences, checkpointing to `state_file`.
 
     Returns the mean loss and top-1 accuracy of the last 50 steps. Matmuls run in the target's
-    dtype (see `eagle_loss`)."""
+    dtype (see `eagle_loss`); the cross-entropy runs over `head.draft_vocab` (all ids if None)."""
     device = target.device
-    lm_weight = target.head_weight_t().detach()
+    lm_weight = target.head_weight_t().detach()  # (C, V)
+    column = None  # token id -> its column of the drafted logits, IGNORE outside the draft vocabulary
+    if head.draft_vocab is not None:
+        vocab = head.draft_vocab.to(device)
+        column = torch.full((lm_weight.shape[1],), IGNORE, dtype=torch.long, device=device)
+        column[vocab] = torch.arange(vocab.numel(), device=device)
+        lm_weight = lm_weight[:, vocab]  # (C, V')
     if lm_weight.is_inference():  # made under inference_mode (a cached tied head): autograd needs a copy
         lm_weight = lm_weight.clone()
     embed = target.embed
-    keys = ("model", "lr", "batch_size", "seed", "dtype", "ce_weight", "noise")
+    keys = ("model", "lr", "batch_size", "seed", "dtype", "ce_weight", "noise", "draft_vocab")
     total = total_steps(settings, len(data))
     optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
     losses, accs = RecentMean(), RecentMean()
 
     def step(idx: Tensor) -> dict[str, float]:
         chunk = batch(data, idx.tolist(), device)
+        if column is not None:
+            chunk.labels = column[chunk.labels]
         g = torch.Generator(device=device).manual_seed(int(idx[0]) * 7919 + settings.seed)
         loss, acc = eagle_loss(head, embed, lm_weight, chunk, settings.ce_weight, settings.noise, g)
         optimizer.zero_grad(set_to_none=True)
@@ -286,13 +302,13 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     )
     torch.manual_seed(settings.seed)
     head = EagleHead.for_target(target.config).to(target.device)
+    head.draft_vocab = draft_vocabulary(prep.train, settings.draft_vocab, target.config.vocab_size)
     t0 = time.perf_counter()
     figures = fit(head, target, prep.train, settings, out / "cache" / STATE)
     train_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     eval_target = prep.eval_target()
-    head.draft_vocab = draft_vocabulary(prep.train, settings.draft_vocab, target.config.vocab_size)
     counts = depth_rank_counts(head, eval_target, prep.heldout, settings.tree_depth, head.draft_vocab)
     totals = counts.sum(1).clamp(min=1)  # (D,)
     rank_probs = (counts[:, :MAX_RANK] / totals[:, None]).tolist()
