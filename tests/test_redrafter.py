@@ -39,7 +39,7 @@ from specdecode.sampling import SamplingParams, logits_to_probs
 from specdecode.spec_config import ReDrafterConfig, parse_speculative
 from specdecode.train.data import Sample
 from specdecode.train.features import extract
-from specdecode.train.redrafter import TrainSettings, drafter_logits, fit, positions
+from specdecode.train.redrafter import TrainSettings, drafter_logits, fit, positions, restrict, top1_by_depth
 from specdecode.tree import DraftTree
 from tests.test_draft_model import (
     PROMPT,
@@ -436,6 +436,31 @@ def test_positions_feed_the_root_then_the_labels() -> None:
     assert data.tokens.tolist() == expected * 2
     assert data.rows.tolist() == [0, 1, 3, 4, 6, 7, 9, 10]  # the second sample's rows follow the first's
     assert data.hidden[data.rows, 0].tolist() == [0, 1, 3, 4] * 2
+
+
+def test_draft_vocabulary_columns_in_training() -> None:
+    """`restrict` keeps the vocabulary's columns and maps token ids to them (IGNORE outside);
+    measured accuracy counts a token outside the vocabulary as missed."""
+    from specdecode.train.medusa import IGNORE
+    from specdecode.train.redrafter import Positions
+
+    lm = torch.arange(12.0).view(2, 6)  # (C, V)
+    cols, column = restrict(lm, torch.tensor([1, 4]))
+    assert cols.tolist() == [[1.0, 4.0], [7.0, 10.0]] and column is not None
+    assert column.tolist() == [IGNORE, 0, IGNORE, IGNORE, 1, IGNORE]
+    assert restrict(lm, None)[1] is None and restrict(lm, torch.empty(0, dtype=torch.long))[0] is lm
+
+    torch.manual_seed(0)
+    head = ReDrafterHead(2, 6, num_layers=0)
+    emb = torch.randn(6, 2)
+    data = Positions(torch.randn(3, 2), torch.arange(3), torch.tensor([[0, 1], [0, 4], [0, 2]]))
+    logits = drafter_logits(head, data.hidden, data.tokens[:, :1], emb, lm)[:, 0]  # (3, V)
+    full = top1_by_depth(head, emb, lm, data)[0]
+    assert full == pytest.approx(float((logits.argmax(-1) == data.tokens[:, 1]).float().mean()))
+    head.draft_vocab = torch.tensor([1, 4])
+    inside = logits[:, [1, 4]].argmax(-1)  # (3,) columns
+    expected = ((inside == 0) & (data.tokens[:, 1] == 1)) | ((inside == 1) & (data.tokens[:, 1] == 4))
+    assert top1_by_depth(head, emb, lm, data)[0] == pytest.approx(float(expected.float().mean()))
 
 
 def test_resumed_training_ends_where_an_uninterrupted_run_does(tiny_chat_dir: Path, tmp_path: Path) -> None:

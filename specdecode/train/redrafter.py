@@ -16,8 +16,11 @@ against the target's own distribution at that place (its LM head on the stored h
 reference implementation's knowledge distillation; with self-distilled data the hard labels
 already are the target's greedy tokens.
 
-Cost on a CPU: the time goes into the shared, frozen LM head over D rows per position (forward
-and backward through it), in bfloat16 as for Medusa.
+With a shared LM head and `--draft-vocab` K (chosen from the training answers before training),
+the logits are the head's K columns, as in drafting, and a label outside them is not trained on.
+
+Cost on a CPU: the time goes into the shared, frozen LM head (its K drafted columns) over D rows
+per position (forward and backward through it), in bfloat16 as for Medusa.
 
 Data, features, the loop, checkpoints and `--resume` come from `pipeline` (shared by every
 method's training).
@@ -170,6 +173,18 @@ def redrafter_loss(
     return (depth_weights(d).to(per_depth.device) * per_depth).sum()
 
 
+def restrict(lm_weight: Tensor, vocab: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """lm_weight (C, V) -> (its draft-vocabulary columns (C, V'), the column of each token id
+    (V,), IGNORE outside `vocab`); unchanged and None without a vocabulary (None or empty).
+    Drafting softmaxes over those columns only, so training and measuring do too."""
+    if vocab is None or vocab.numel() == 0:
+        return lm_weight, None
+    vocab = vocab.to(lm_weight.device)
+    column = torch.full((lm_weight.shape[1],), IGNORE, dtype=torch.long, device=lm_weight.device)
+    column[vocab] = torch.arange(vocab.numel(), device=lm_weight.device)
+    return lm_weight[:, vocab], column
+
+
 def fit(
     head: ReDrafterHead,
     embedding: Tensor,
@@ -184,10 +199,11 @@ def fit(
     target's, frozen, `lm_weight` in the compute dtype. Returns the mean loss of the last 50
     steps and the last batch's depth-1 accuracy."""
     device = lm_weight.device
+    lm_weight, column = restrict(lm_weight, head.draft_vocab if head.lm_head is None else None)
     if lm_weight.is_inference():  # made under inference_mode (a cached tied head): autograd needs a copy
         lm_weight = lm_weight.clone()
     embedding = embedding.detach().float()
-    keys = ("model", "num_layers", "depth", "distill", "lr", "batch_size", "seed", "dtype")
+    keys = ("model", "num_layers", "depth", "distill", "lr", "batch_size", "seed", "dtype", "draft_vocab")
     total = total_steps(settings, len(data))
     optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
     recent = RecentMean()
@@ -198,6 +214,8 @@ def fit(
         tokens = data.tokens[idx].to(device)  # (B, D+1)
         context = data.hidden[rows].to(device, torch.float32)  # (B, C)
         fed, labels = tokens[:, :-1].clamp(min=0), tokens[:, 1:]  # (B, D) each
+        if column is not None:
+            labels = torch.where(labels == IGNORE, IGNORE, column[labels.clamp(min=0)])  # (B, D) columns
         soft = None
         if settings.distill > 0:
             later = rows[:, None] + torch.arange(1, data.depth + 1)  # (B, D) rows of h_{t+k}
@@ -233,16 +251,20 @@ def fit(
 def top1_by_depth(
     head: ReDrafterHead, embedding: Tensor, lm_weight: Tensor, data: Positions, chunk: int = 256
 ) -> list[float]:
-    """Teacher-forced top-1 accuracy of each depth's guess on `data`."""
+    """Teacher-forced top-1 accuracy of each depth's guess on `data`, among the draft vocabulary
+    (a token outside it counts as missed)."""
     hits = torch.zeros(data.depth)
     counts = torch.zeros(data.depth)
     embedding = embedding.float()
+    lm_weight, column = restrict(lm_weight, head.draft_vocab if head.lm_head is None else None)
     for s in range(0, len(data), chunk):
         tokens = data.tokens[s : s + chunk].to(lm_weight.device)  # (B, D+1)
         context = data.hidden[data.rows[s : s + chunk]].to(lm_weight.device, torch.float32)  # (B, C)
         logits = drafter_logits(head, context, tokens[:, :-1].clamp(min=0), embedding, lm_weight)
         labels = tokens[:, 1:]
         valid = labels != IGNORE  # (B, D)
+        if column is not None:
+            labels = column[labels.clamp(min=0)]  # IGNORE (never an argmax) outside the vocabulary
         hits += ((logits.argmax(-1) == labels) & valid).sum(0).cpu()
         counts += valid.sum(0).cpu()
     return (hits / counts.clamp(min=1)).tolist()
@@ -265,16 +287,16 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     head = ReDrafterHead(cfg.hidden_size, cfg.vocab_size, settings.num_layers).to(device)
     lm_weight = target.head_weight_t().detach().to(target.dtype)  # (C, V), frozen
     embedding = target.embed.weight.detach()  # (V, C), frozen
+    vocab_share = 1.0
+    if 0 < settings.draft_vocab < cfg.vocab_size:
+        head.draft_vocab = draft_vocabulary(prep.train, settings.draft_vocab, cfg.vocab_size).to(device)
+        vocab_share = coverage(prep.heldout, head.draft_vocab.cpu())
     t0 = time.perf_counter()
     figures = fit(head, embedding, lm_weight, train_set, settings, out / "cache" / STATE)
     train_s = time.perf_counter() - t0
 
     top1 = [round(a, 4) for a in top1_by_depth(head, embedding, lm_weight, held_set)]
     beam_length = settings.depth + 1
-    vocab_share = 1.0
-    if 0 < settings.draft_vocab < cfg.vocab_size:
-        head.draft_vocab = draft_vocabulary(prep.train, settings.draft_vocab, cfg.vocab_size).to(device)
-        vocab_share = coverage(prep.heldout, head.draft_vocab.cpu())
     report: dict[str, Any] = {
         "heldout_top1": top1,
         "heldout_draft_vocab_coverage": round(vocab_share, 4),
