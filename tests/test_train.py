@@ -216,6 +216,44 @@ def test_feature_cache_resumes_at_the_missing_shard(
     assert len(calls) == 6  # other samples: the cache is replaced, not mixed
 
 
+def test_one_run_trains_on_anothers_conversations(tiny_chat_dir: Path, tmp_path: Path) -> None:
+    """`--skip-conversations` takes the file's later conversations; `--more-features` appends a
+    finished run's training features (in its order) to this run's, and refuses an unfinished
+    cache or a directory that is not one."""
+    from specdecode.train.features import load_cache
+    from specdecode.train.pipeline import prepare
+
+    data = tmp_path / "sharegpt.json"
+    write_sharegpt(data, 24, cut=False)
+    common = dict(data=str(data), model=str(tiny_chat_dir), max_len=256, dtype="float32", progress=False)
+    first = TrainSettings(out=str(tmp_path / "a"), max_conversations=12, heldout=2, **common)  # type: ignore[arg-type]
+    a = prepare(first)
+    later = TrainSettings(
+        out=str(tmp_path / "b"),
+        max_conversations=12,
+        skip_conversations=12,
+        heldout=2,
+        **common,  # type: ignore[arg-type]
+    )
+    b = prepare(later)
+    assert len(a.train) == len(b.train) == 10
+    texts = {tuple(t.tolist()) for t in a.train.ids} | {tuple(t.tolist()) for t in a.heldout.ids}
+    assert not texts & {tuple(t.tolist()) for t in b.train.ids}  # other conversations
+
+    joined = prepare(TrainSettings(**{**later.__dict__, "more_features": (str(tmp_path / "a/cache/train"),)}))
+    assert len(joined.train) == 20 and len(joined.heldout) == len(b.heldout)
+    for x, y in zip(joined.train.hidden, b.train.hidden + a.train.hidden, strict=True):
+        assert torch.equal(x, y)
+    loaded = load_cache(tmp_path / "a/cache/train")
+    assert [t.tolist() for t in loaded.ids] == [t.tolist() for t in a.train.ids]
+
+    (tmp_path / "a/cache/train/shard-00000.pt").unlink()
+    with pytest.raises(SpecDecodeError, match="unfinished"):
+        load_cache(tmp_path / "a/cache/train")
+    with pytest.raises(SpecDecodeError, match="not a feature cache"):
+        load_cache(tmp_path)
+
+
 # ------------------------------------------------------------------------------------------------
 # Medusa training
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from specdecode.errors import SpecDecodeError
 from specdecode.models.cache import atomic_file
 from specdecode.models.transformer import Transformer
 from specdecode.train.data import Sample
@@ -108,6 +109,27 @@ def run_batch(
         rows = torch.cat(states[i])[: len(tokens[i]) - 1]  # (L_i - 1, C)
         out.append((tokens[i], masks[i], rows.to("cpu", torch.float16)))
     return out
+
+
+def load_cache(cache_dir: str | Path) -> Features:
+    """Every sample of a finished feature cache (another run's `OUT/cache/train`), in its order:
+    how one run trains on the answers another run generated (`--more-features`)."""
+    root = Path(cache_dir).expanduser()
+    meta = root / "meta.json"
+    if not meta.is_file():
+        raise SpecDecodeError(f"{root} is not a feature cache (no meta.json): pass a run's OUT/cache/train")
+    count = int(json.loads(meta.read_text())["samples"])
+    ids: list[Tensor | None] = [None] * count
+    masks: list[Tensor | None] = [None] * count
+    hidden: list[Tensor | None] = [None] * count
+    for shard in sorted(root.glob("shard-*.pt")):
+        record = torch.load(shard, weights_only=True)
+        for j, i in enumerate(record["index"]):
+            ids[i], masks[i], hidden[i] = record["ids"][j].long(), record["mask"][j], record["hidden"][j]
+    missing = sum(t is None for t in ids)
+    if missing:
+        raise SpecDecodeError(f"{root} is unfinished: {missing} of {count} samples have no features yet")
+    return Features(ids, masks, hidden)  # type: ignore[arg-type]
 
 
 def _key(model_tag: str, samples: Sequence[Sample], generate: bool, max_len: int, batch_size: int) -> str:

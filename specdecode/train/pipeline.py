@@ -42,7 +42,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.models.transformer import Transformer
 from specdecode.train.data import Conversation, Sample, prompt, read_sharegpt, render, split
-from specdecode.train.features import Features, extract
+from specdecode.train.features import Features, extract, load_cache
 
 STATE = "train_state.pt"  # the loop's checkpoint, under OUT/cache/
 Settings = TypeVar("Settings", bound="Common")
@@ -57,6 +57,8 @@ class Common:
     out: str
     model: str = "smollm2-135m"
     max_conversations: int = 1000
+    skip_conversations: int = 0
+    more_features: tuple[str, ...] = ()
     max_len: int = 384
     epochs: int = 2
     lr: float = 1e-3
@@ -123,7 +125,10 @@ def prepare(settings: Common) -> Prepared:
     tokenizer = Tokenizer.from_dir(path)
     target = Transformer.from_dir(path, dtype=dtype, device=device)
 
-    conversations = read_sharegpt(settings.data, settings.max_conversations)
+    skip = settings.skip_conversations
+    conversations = read_sharegpt(settings.data, skip + settings.max_conversations)[skip:]
+    if not conversations:
+        raise SpecDecodeError(f"{settings.data} has no conversations after the first {skip}")
     train_convs, held_convs = split(conversations, settings.heldout, settings.seed)
     limit = settings.max_len // 2 if settings.self_distill else settings.max_len
 
@@ -152,6 +157,14 @@ def prepare(settings: Common) -> Prepared:
         )
 
     train_feats, held_feats = features("train", train_samples), features("heldout", held_samples)
+    for extra in settings.more_features:
+        more = load_cache(extra)
+        width = more.hidden[0].shape[-1] if len(more) else target.config.hidden_size
+        if width != target.config.hidden_size:
+            raise SpecDecodeError(f"{extra} holds features of width {width}, not {settings.model}'s")
+        train_feats = Features(
+            train_feats.ids + more.ids, train_feats.mask + more.mask, train_feats.hidden + more.hidden
+        )
     return Prepared(
         out=out,
         model_path=path,
@@ -366,6 +379,10 @@ def add_common_args(p: argparse.ArgumentParser, settings: type[Settings]) -> Set
     p.add_argument("--data", required=True, help="ShareGPT JSON file (a cut-off file is fine)")
     p.add_argument("--out", required=True, help="output directory: head, config, report, cache/")
     p.add_argument("--max-conversations", type=int, default=d.max_conversations)
+    p.add_argument(
+        "--skip-conversations", type=int, default=d.skip_conversations,
+        help="start after this many conversations of the file (another run took them)",
+    )  # fmt: skip
     p.add_argument("--max-len", type=int, default=d.max_len, help="tokens per sample (prompt + answer)")
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
@@ -375,6 +392,10 @@ def add_common_args(p: argparse.ArgumentParser, settings: type[Settings]) -> Set
         "--self-distill", action="store_true", help="train on the target's own greedy answers to the prompts"
     )
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    p.add_argument(
+        "--more-features", action="append", default=[], metavar="DIR",
+        help="also train on another run's features (its OUT/cache/train; repeatable)",
+    )  # fmt: skip
     p.add_argument("--heldout", type=float, default=d.heldout, help="held-out share (< 1) or count")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints")
@@ -395,4 +416,9 @@ def settings_from_args(cls: type[Settings], args: argparse.Namespace) -> Setting
     for name in ("max_conversations", "max_len", "epochs", "batch_size", "save_every"):
         if getattr(args, name) < 1:
             raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+    if args.skip_conversations < 0:
+        raise SpecDecodeError(f"--skip-conversations must be >= 0, got {args.skip_conversations}")
+    values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+    if "more_features" in values:
+        values["more_features"] = tuple(values["more_features"])
+    return cls(**values)
