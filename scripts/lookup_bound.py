@@ -54,7 +54,8 @@ def oracle_tau(prompt: list[int], answer: list[int], n: int, k: int, limit: int 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--questions-file", default=str(Path(__file__).parents[2] / "shared/data/spec_bench/question.jsonl"))
+    default_file = Path(__file__).parents[2] / "shared/data/spec_bench/question.jsonl"
+    p.add_argument("--questions-file", default=str(default_file))
     p.add_argument("--category", default="summarization")
     p.add_argument("--questions", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -82,7 +83,8 @@ def main() -> None:
     print(f"{len(chosen)} {args.category} questions, {lookup[0]} answer tokens")
     print(f"prompt lookup (k=4, n=2, one candidate): tau {lookup[0] / lookup[1]:.3f}")
     for (n, k, m), (tokens, steps) in totals.items():
-        print(f"oracle: last {n} token(s), copies of {k}, {'all' if m is None else f'up to {m}'}: tau {tokens / steps:.3f}")
+        which = "all" if m is None else f"up to {m}"
+        print(f"oracle: last {n} token(s), copies of {k}, {which}: tau {tokens / steps:.3f}")
 
 
 if __name__ == "__main__":
