@@ -39,7 +39,8 @@ from specdecode.sampling import SamplingParams, logits_to_probs
 from specdecode.spec_config import ReDrafterConfig, parse_speculative
 from specdecode.train.data import Sample
 from specdecode.train.features import extract
-from specdecode.train.redrafter import TrainSettings, drafter_logits, fit, positions, restrict, top1_by_depth
+from specdecode.train.pipeline import draft_columns
+from specdecode.train.redrafter import TrainSettings, drafter_logits, fit, positions, top1_by_depth
 from specdecode.tree import DraftTree
 from tests.test_draft_model import (
     PROMPT,
@@ -439,16 +440,16 @@ def test_positions_feed_the_root_then_the_labels() -> None:
 
 
 def test_draft_vocabulary_columns_in_training() -> None:
-    """`restrict` keeps the vocabulary's columns and maps token ids to them (IGNORE outside);
+    """`draft_columns` keeps the vocabulary's columns and maps token ids to them (IGNORE outside);
     measured accuracy counts a token outside the vocabulary as missed."""
     from specdecode.train.medusa import IGNORE
     from specdecode.train.redrafter import Positions
 
     lm = torch.arange(12.0).view(2, 6)  # (C, V)
-    cols, column = restrict(lm, torch.tensor([1, 4]))
+    cols, column = draft_columns(lm, torch.tensor([1, 4]))
     assert cols.tolist() == [[1.0, 4.0], [7.0, 10.0]] and column is not None
     assert column.tolist() == [IGNORE, 0, IGNORE, IGNORE, 1, IGNORE]
-    assert restrict(lm, None)[1] is None and restrict(lm, torch.empty(0, dtype=torch.long))[0] is lm
+    assert draft_columns(lm, None)[1] is None and draft_columns(lm, torch.empty(0, dtype=torch.long))[0] is lm
 
     torch.manual_seed(0)
     head = ReDrafterHead(2, 6, num_layers=0)

@@ -45,10 +45,12 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.transformer import Transformer
 from specdecode.train.features import Features
 from specdecode.train.pipeline import (
+    IGNORE,
     STATE,
     Common,
     RecentMean,
     add_common_args,
+    draft_columns,
     fingerprint,
     measure_tau,
     prepare,
@@ -61,7 +63,6 @@ from specdecode.train.pipeline import (
 )
 
 MAX_RANK = 10  # ranks tracked for the tree fit; deeper ranks are never worth a node
-IGNORE = -100  # a label the cross-entropy skips (outside the draft vocabulary)
 
 
 @dataclass(frozen=True)
@@ -168,13 +169,7 @@ def fit(
     Returns the mean loss and top-1 accuracy of the last 50 steps. Matmuls run in the target's
     dtype (see `eagle_loss`); the cross-entropy runs over `head.draft_vocab` (all ids if None)."""
     device = target.device
-    lm_weight = target.head_weight_t().detach()  # (C, V)
-    column = None  # token id -> its column of the drafted logits, IGNORE outside the draft vocabulary
-    if head.draft_vocab is not None:
-        vocab = head.draft_vocab.to(device)
-        column = torch.full((lm_weight.shape[1],), IGNORE, dtype=torch.long, device=device)
-        column[vocab] = torch.arange(vocab.numel(), device=device)
-        lm_weight = lm_weight[:, vocab]  # (C, V')
+    lm_weight, column = draft_columns(target.head_weight_t().detach(), head.draft_vocab)  # (C, V')
     if lm_weight.is_inference():  # made under inference_mode (a cached tied head): autograd needs a copy
         lm_weight = lm_weight.clone()
     embed = target.embed

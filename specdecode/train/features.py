@@ -111,6 +111,14 @@ def run_batch(
     return out
 
 
+def _place(
+    record: dict, ids: list[Tensor | None], masks: list[Tensor | None], hidden: list[Tensor | None]
+) -> None:
+    """Put a shard's samples at their indices (the samples' order) in the three lists."""
+    for j, i in enumerate(record["index"]):
+        ids[i], masks[i], hidden[i] = record["ids"][j].long(), record["mask"][j], record["hidden"][j]
+
+
 def load_cache(cache_dir: str | Path) -> Features:
     """Every sample of a finished feature cache (another run's `OUT/cache/train`), in its order:
     how one run trains on the answers another run generated (`--more-features`)."""
@@ -123,9 +131,7 @@ def load_cache(cache_dir: str | Path) -> Features:
     masks: list[Tensor | None] = [None] * count
     hidden: list[Tensor | None] = [None] * count
     for shard in sorted(root.glob("shard-*.pt")):
-        record = torch.load(shard, weights_only=True)
-        for j, i in enumerate(record["index"]):
-            ids[i], masks[i], hidden[i] = record["ids"][j].long(), record["mask"][j], record["hidden"][j]
+        _place(torch.load(shard, weights_only=True), ids, masks, hidden)
     missing = sum(t is None for t in ids)
     if missing:
         raise SpecDecodeError(f"{root} is unfinished: {missing} of {count} samples have no features yet")
@@ -187,10 +193,7 @@ def extract(
             made += sum(len(t) for t, _, _ in rows)
         else:
             record = torch.load(shard, weights_only=True)
-        for j, i in enumerate(record["index"]):
-            ids[i] = record["ids"][j].long()
-            masks[i] = record["mask"][j]
-            hidden[i] = record["hidden"][j]
+        _place(record, ids, masks, hidden)
         bar.update(1)
         bar.set_postfix(tokens=made)
     bar.close()

@@ -38,6 +38,7 @@ from specdecode.drafters.medusa import MedusaDrafter, MedusaHeads, best_tree, lo
 from specdecode.errors import SpecDecodeError
 from specdecode.train.features import Features
 from specdecode.train.pipeline import (
+    IGNORE,
     STATE,
     Common,
     RecentMean,
@@ -53,7 +54,6 @@ from specdecode.train.pipeline import (
     write_report,
 )
 
-IGNORE = -100  # label of a (position, head) pair that is not trained
 HEAD_DECAY = 0.8
 MAX_RANK = 10  # ranks tracked for the tree fit; deeper ranks are never worth a node
 

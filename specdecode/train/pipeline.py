@@ -45,6 +45,7 @@ from specdecode.train.data import Conversation, Sample, prompt, read_sharegpt, r
 from specdecode.train.features import Features, extract, load_cache
 
 STATE = "train_state.pt"  # the loop's checkpoint, under OUT/cache/
+IGNORE = -100  # a label the cross-entropy skips
 Settings = TypeVar("Settings", bound="Common")
 
 
@@ -175,6 +176,18 @@ def prepare(settings: Common) -> Prepared:
         held_conversations=held_convs,
         features_s=time.perf_counter() - started,
     )
+
+
+def draft_columns(lm_weight: Tensor, vocab: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """lm_weight (C, V) -> (its draft-vocabulary columns (C, V'), the column of each token id
+    (V,), IGNORE outside `vocab`); unchanged and None without a vocabulary (None or empty).
+    A drafter with a draft vocabulary softmaxes over those columns only, so training does too."""
+    if vocab is None or vocab.numel() == 0:
+        return lm_weight, None
+    vocab = vocab.to(lm_weight.device)
+    column = torch.full((lm_weight.shape[1],), IGNORE, dtype=torch.long, device=lm_weight.device)
+    column[vocab] = torch.arange(vocab.numel(), device=lm_weight.device)
+    return lm_weight[:, vocab], column
 
 
 # ------------------------------------------------------------------------------------------------

@@ -42,12 +42,13 @@ from torch import Tensor
 from specdecode.drafters.redrafter import ReDrafter, ReDrafterHead, load_head, save_head
 from specdecode.errors import SpecDecodeError
 from specdecode.train.features import Features
-from specdecode.train.medusa import IGNORE
 from specdecode.train.pipeline import (
+    IGNORE,
     STATE,
     Common,
     RecentMean,
     add_common_args,
+    draft_columns,
     fingerprint,
     measure_tau,
     prepare,
@@ -173,18 +174,6 @@ def redrafter_loss(
     return (depth_weights(d).to(per_depth.device) * per_depth).sum()
 
 
-def restrict(lm_weight: Tensor, vocab: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """lm_weight (C, V) -> (its draft-vocabulary columns (C, V'), the column of each token id
-    (V,), IGNORE outside `vocab`); unchanged and None without a vocabulary (None or empty).
-    Drafting softmaxes over those columns only, so training and measuring do too."""
-    if vocab is None or vocab.numel() == 0:
-        return lm_weight, None
-    vocab = vocab.to(lm_weight.device)
-    column = torch.full((lm_weight.shape[1],), IGNORE, dtype=torch.long, device=lm_weight.device)
-    column[vocab] = torch.arange(vocab.numel(), device=lm_weight.device)
-    return lm_weight[:, vocab], column
-
-
 def fit(
     head: ReDrafterHead,
     embedding: Tensor,
@@ -199,7 +188,7 @@ def fit(
     target's, frozen, `lm_weight` in the compute dtype. Returns the mean loss of the last 50
     steps and the last batch's depth-1 accuracy."""
     device = lm_weight.device
-    lm_weight, column = restrict(lm_weight, head.draft_vocab if head.lm_head is None else None)
+    lm_weight, column = draft_columns(lm_weight, head.draft_vocab if head.lm_head is None else None)
     if lm_weight.is_inference():  # made under inference_mode (a cached tied head): autograd needs a copy
         lm_weight = lm_weight.clone()
     embedding = embedding.detach().float()
@@ -256,7 +245,7 @@ def top1_by_depth(
     hits = torch.zeros(data.depth)
     counts = torch.zeros(data.depth)
     embedding = embedding.float()
-    lm_weight, column = restrict(lm_weight, head.draft_vocab if head.lm_head is None else None)
+    lm_weight, column = draft_columns(lm_weight, head.draft_vocab if head.lm_head is None else None)
     for s in range(0, len(data), chunk):
         tokens = data.tokens[s : s + chunk].to(lm_weight.device)  # (B, D+1)
         context = data.hidden[data.rows[s : s + chunk]].to(lm_weight.device, torch.float32)  # (B, C)
