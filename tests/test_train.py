@@ -190,6 +190,23 @@ def test_self_distillation_is_plain_greedy_decoding(tiny: tuple[Transformer, Tok
     assert any(len(ids) < max_len for ids, _, _ in rows) and any(len(ids) == max_len for ids, _, _ in rows)
 
 
+def test_self_distilled_answers_stop_at_max_new(tiny: tuple[Transformer, Tokenizer]) -> None:
+    """With `max_new` each row writes at most that many tokens (or stops earlier at max_len or
+    end-of-sequence), exactly what greedy decoding with that token budget writes."""
+    model, _ = tiny
+    samples = random_samples(6, seed=4, low=3, high=30)
+    max_len, max_new = 40, 6
+    rows = run_batch(model, samples, True, max_len, [2], max_new=max_new)
+    for (ids, mask, hidden), sample in zip(rows, samples, strict=True):
+        budget = min(max_new, max_len - len(sample.ids))
+        req = Request(model, sample.ids, SamplingParams(max_tokens=budget, temperature=0), [2])
+        for _ in Engine(model).generate(req):
+            pass
+        assert ids == sample.ids + req.output_ids and len(req.output_ids) <= budget
+        assert sum(mask) == len(req.output_ids) and hidden.shape[0] == len(ids) - 1
+    assert any(sum(m) == max_new for _, m, _ in rows)  # the cap, not end-of-sequence, ended some
+
+
 def test_feature_cache_resumes_at_the_missing_shard(
     tiny: tuple[Transformer, Tokenizer], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -252,6 +269,35 @@ def test_one_run_trains_on_anothers_conversations(tiny_chat_dir: Path, tmp_path:
         load_cache(tmp_path / "a/cache/train")
     with pytest.raises(SpecDecodeError, match="not a feature cache"):
         load_cache(tmp_path)
+
+
+def test_a_run_on_long_prompts_only(tiny_chat_dir: Path, tmp_path: Path) -> None:
+    """`--min-prompt-len` keeps the conversations whose prompt is at least that long;
+    `--max-answer-len` lets self-distilled prompts fill max_len minus it and caps the answers."""
+    from specdecode.train.pipeline import prepare
+
+    data = tmp_path / "sharegpt.json"
+    write_sharegpt(data, 30, cut=False)
+    common = dict(data=str(data), model=str(tiny_chat_dir), dtype="float32", progress=False, heldout=2)
+    every = prepare(TrainSettings(out=str(tmp_path / "all"), max_len=80, self_distill=True, **common))  # type: ignore[arg-type]
+    lengths = sorted(int((~m).sum()) for m in every.train.mask)
+    cut = lengths[len(lengths) // 2]
+    long = prepare(
+        TrainSettings(
+            out=str(tmp_path / "long"),
+            max_len=80,
+            max_answer_len=5,
+            min_prompt_len=cut,
+            self_distill=True,
+            **common,  # type: ignore[arg-type]
+        )
+    )
+    prompts = [int((~m).sum()) for m in long.train.mask]
+    assert prompts and all(n >= cut for n in prompts) and len(prompts) < len(lengths)
+    assert all(0 < int(m.sum()) <= 5 for m in long.train.mask)
+    for bad in (dict(max_answer_len=80), dict(max_answer_len=0), dict(min_prompt_len=-1)):
+        with pytest.raises(SpecDecodeError, match=r"max_answer_len|min_prompt_len"):
+            prepare(TrainSettings(out=str(tmp_path / "bad"), max_len=80, self_distill=True, **common, **bad))  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -53,9 +53,15 @@ class Features:
 
 @torch.inference_mode()
 def run_batch(
-    model: Transformer, batch: Sequence[Sample], generate: bool, max_len: int, eos_ids: Sequence[int]
+    model: Transformer,
+    batch: Sequence[Sample],
+    generate: bool,
+    max_len: int,
+    eos_ids: Sequence[int],
+    max_new: int | None = None,
 ) -> list[tuple[list[int], list[bool], Tensor]]:
-    """(ids, mask, hidden (L-1, C)) per sample, the target's greedy answer appended if `generate`.
+    """(ids, mask, hidden (L-1, C)) per sample, the target's greedy answer appended if `generate`:
+    up to an end-of-sequence token, `max_len` tokens in all, or `max_new` new tokens.
 
     Row i is left-padded by pad_i slots; its token at position p sits in cache slot pad_i + p, so
     all rows decode their next token into the same slot. Queries see real keys only (a padding
@@ -65,8 +71,8 @@ def run_batch(
     b = len(batch)
     lengths = [len(s.ids) for s in batch]
     width = max(lengths)
-    # Every row may grow to max_len tokens; the shortest one needs the most slots after `width`.
-    slots = width + max(0, max_len - min(lengths)) if generate else width
+    cap = [max_len if max_new is None else min(max_len, n + max_new) for n in lengths]  # tokens per row
+    slots = width + max(0, max(c - n for c, n in zip(cap, lengths, strict=True))) if generate else width
     pad = torch.tensor([width - n for n in lengths], device=device)  # (B,)
     ids = torch.zeros(b, width, dtype=torch.long, device=device)  # (B, T)
     for i, sample in enumerate(batch):
@@ -85,7 +91,7 @@ def run_batch(
     states: list[list[Tensor]] = [[hidden[i, width - lengths[i] :]] for i in range(b)]  # (L_i, C)
     if generate:
         eos = set(eos_ids)
-        live = [n < max_len for n in lengths]
+        live = [n < c for n, c in zip(lengths, cap, strict=True)]
         last = hidden[:, -1]  # (B, C)
         slot = width  # where the next token goes
         while slot < slots and any(live):
@@ -94,7 +100,7 @@ def run_batch(
                 if live[i]:
                     tokens[i].append(token)
                     masks[i].append(True)
-                    live[i] = token not in eos and len(tokens[i]) < max_len
+                    live[i] = token not in eos and len(tokens[i]) < cap[i]
             if slot + 1 >= slots or not any(live):
                 break  # the tokens just chosen are never fed: nothing would read their states
             x = torch.tensor(chosen, device=device)[:, None]  # (B, 1)
@@ -138,8 +144,16 @@ def load_cache(cache_dir: str | Path) -> Features:
     return Features(ids, masks, hidden)  # type: ignore[arg-type]
 
 
-def _key(model_tag: str, samples: Sequence[Sample], generate: bool, max_len: int, batch_size: int) -> str:
-    text = json.dumps([model_tag, generate, max_len, batch_size, [s.ids for s in samples]])
+def _key(
+    model_tag: str,
+    samples: Sequence[Sample],
+    generate: bool,
+    max_len: int,
+    batch_size: int,
+    max_new: int | None,
+) -> str:
+    answer_cap = [] if max_new is None else [max_new]  # absent when unset: earlier caches keep their key
+    text = json.dumps([model_tag, generate, max_len, *answer_cap, batch_size, [s.ids for s in samples]])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -151,6 +165,7 @@ def extract(
     max_len: int,
     eos_ids: Sequence[int],
     cache_dir: str | Path,
+    max_new: int | None = None,
     model_tag: str,
     batch_size: int = 32,
     progress: bool = True,
@@ -158,13 +173,14 @@ def extract(
     """Features of `samples` (in their order), computed or read back from `cache_dir`.
 
     `model_tag` names the target and its dtype in the cache key; the samples, `generate`,
-    `max_len` and `batch_size` (batch composition moves rounding) complete it. A cache with
+    `max_len`, `max_new` (see `run_batch`) and `batch_size` (batch composition moves rounding)
+    complete it. A cache with
     another key is replaced. Samples are batched by length, so padding stays small.
     """
     from tqdm import tqdm
 
     root = Path(cache_dir)
-    key = _key(f"{model_tag}|{model.dtype}", samples, generate, max_len, batch_size)
+    key = _key(f"{model_tag}|{model.dtype}", samples, generate, max_len, batch_size, max_new)
     meta = root / "meta.json"
     if root.is_dir() and (not meta.is_file() or json.loads(meta.read_text()).get("key") != key):
         shutil.rmtree(root)
@@ -181,7 +197,7 @@ def extract(
     for n, batch in enumerate(batches):
         shard = root / f"shard-{n:05d}.pt"
         if not shard.is_file():
-            rows = run_batch(model, [samples[i] for i in batch], generate, max_len, eos_ids)
+            rows = run_batch(model, [samples[i] for i in batch], generate, max_len, eos_ids, max_new)
             record = {
                 "index": batch,
                 "ids": [torch.tensor(t, dtype=torch.int32) for t, _, _ in rows],

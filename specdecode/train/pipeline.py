@@ -61,6 +61,8 @@ class Common:
     skip_conversations: int = 0
     more_features: tuple[str, ...] = ()
     max_len: int = 384
+    min_prompt_len: int = 0
+    max_answer_len: int | None = None
     epochs: int = 2
     lr: float = 1e-3
     batch_size: int = 256
@@ -103,8 +105,24 @@ class Prepared:
 
     def eval_prompts(self, settings: Common) -> list[list[int]]:
         """Token ids of the first `eval_prompts` held-out prompts (for τ of real decoding)."""
-        found = (prompt(self.tokenizer, c, settings.max_len // 2) for c in self.held_conversations)
+        found = (prompt_sample(self.tokenizer, c, settings) for c in self.held_conversations)
         return [s.ids for s in found if s is not None][: settings.eval_prompts]
+
+
+def prompt_sample(tokenizer: Tokenizer, conversation: Conversation, settings: Common) -> Sample | None:
+    """The sample a run makes of one conversation (None: it does not fit the run's lengths).
+
+    Self-distillation takes the first prompt, of at most `max_len - max_answer_len` tokens
+    (`max_len // 2` without an answer cap); otherwise the whole conversation, cut to `max_len`.
+    Either way a sample whose prompt is shorter than `min_prompt_len` is left out (a run on
+    long prompts only: documents to summarize, code to fix, passages to answer from)."""
+    if settings.self_distill:
+        answer = settings.max_answer_len
+        limit = settings.max_len - answer if answer else settings.max_len // 2
+        sample = prompt(tokenizer, conversation, limit)
+    else:
+        sample = render(tokenizer, conversation, settings.max_len)
+    return sample if sample is not None and sample.prompt_len >= settings.min_prompt_len else None
 
 
 def prepare(settings: Common) -> Prepared:
@@ -120,6 +138,11 @@ def prepare(settings: Common) -> Prepared:
         )
     if settings.max_len < 4:
         raise SpecDecodeError(f"max_len must be >= 4, got {settings.max_len}")
+    answer = settings.max_answer_len
+    if answer is not None and not 1 <= answer < settings.max_len:
+        raise SpecDecodeError(f"max_answer_len must be in [1, max_len), got {answer}")
+    if settings.min_prompt_len < 0:
+        raise SpecDecodeError(f"min_prompt_len must be >= 0, got {settings.min_prompt_len}")
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype)
     path = resolve_model(settings.model, progress=settings.progress)
@@ -131,17 +154,16 @@ def prepare(settings: Common) -> Prepared:
     if not conversations:
         raise SpecDecodeError(f"{settings.data} has no conversations after the first {skip}")
     train_convs, held_convs = split(conversations, settings.heldout, settings.seed)
-    limit = settings.max_len // 2 if settings.self_distill else settings.max_len
 
     def samples(convs: list[Conversation]) -> list[Sample]:
-        make = prompt if settings.self_distill else render
-        return [s for s in (make(tokenizer, c, limit) for c in convs) if s is not None]
+        return [s for s in (prompt_sample(tokenizer, c, settings) for c in convs) if s is not None]
 
     train_samples, held_samples = samples(train_convs), samples(held_convs)
     if not train_samples or not held_samples:
         raise SpecDecodeError(
             f"{len(train_samples)} training and {len(held_samples)} held-out samples fit max_len "
-            f"{settings.max_len}; use more conversations, a larger --max-len or --heldout"
+            f"{settings.max_len} (prompts of at least {settings.min_prompt_len} tokens); use more "
+            "conversations, a larger --max-len or --heldout"
         )
 
     def features(name: str, items: list[Sample]) -> Features:
@@ -150,6 +172,7 @@ def prepare(settings: Common) -> Prepared:
             items,
             generate=settings.self_distill,
             max_len=settings.max_len,
+            max_new=settings.max_answer_len,
             eos_ids=tokenizer.eos_token_ids,
             cache_dir=out / "cache" / name,
             model_tag=str(path),
@@ -397,6 +420,15 @@ def add_common_args(p: argparse.ArgumentParser, settings: type[Settings]) -> Set
         help="start after this many conversations of the file (another run took them)",
     )  # fmt: skip
     p.add_argument("--max-len", type=int, default=d.max_len, help="tokens per sample (prompt + answer)")
+    p.add_argument(
+        "--min-prompt-len", type=int, default=d.min_prompt_len,
+        help="leave out samples whose prompt (chat template included) is shorter",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-answer-len", type=int, default=d.max_answer_len,
+        help="with --self-distill: answers of at most this many tokens, prompts of up to max-len minus it "
+        "(default: prompts of up to max-len / 2, answers filling max-len)",
+    )  # fmt: skip
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     p.add_argument("--lr", type=float, default=d.lr)
