@@ -449,6 +449,31 @@ def test_loss_over_the_draft_vocabulary(target: Transformer) -> None:
     assert torch.isfinite(only_regression) and torch.allclose(only_regression.detach(), regression, atol=1e-5)
 
 
+def test_rows_of_other_lengths_give_the_padded_batchs_loss(target: Transformer) -> None:
+    """Each row runs over its own pairs only (no padding work), and the loss is that of the
+    whole right-padded batch: causal attention never lets padding reach a real pair."""
+    torch.manual_seed(4)
+    head = EagleHead.for_target(target.config)
+    b, t, c = 3, 7, target.config.hidden_size
+    lengths = [7, 3, 5]
+    tokens = torch.randint(0, target.config.vocab_size, (b, t))
+    feats = torch.randn(b, t, c, dtype=torch.float16)
+    nexts = torch.randn(b, t, c, dtype=torch.float16)
+    labels = torch.randint(0, target.config.vocab_size, (b, t))
+    trained = torch.arange(t)[None] < torch.tensor(lengths)[:, None]  # (B, T) real pairs only
+    trained[0, 0] = False  # a prompt position
+    lm = target.head_weight_t().detach().float()  # (C, V)
+    rows = Batch(tokens, feats, nexts, labels, trained, lengths)
+    short, _ = eagle_loss(head, target.embed, lm, rows, 0.5, 0.0)
+    padded, _ = eagle_loss(head, target.embed, lm, Batch(tokens, feats, nexts, labels, trained), 0.5, 0.0)
+    assert torch.allclose(short.detach(), padded.detach(), atol=1e-5)
+    with torch.no_grad():
+        g = run_pairs(head, target.embed, tokens, feats.float())[trained]  # (P, C)
+        ce = F.cross_entropy(g @ lm, labels[trained])
+        expected = F.smooth_l1_loss(g, nexts[trained].float()) + 0.5 * ce
+    assert torch.allclose(short.detach(), expected, atol=1e-5)
+
+
 def test_train_command_end_to_end(
     tiny_chat_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -88,6 +88,7 @@ class Batch:
     next_features: Tensor  # (B, T, C) float: f_{t+1}, the regression target
     labels: Tensor  # (B, T) long: x_{t+2}
     trained: Tensor  # (B, T) bool: x_{t+2} written by the assistant (and not padding)
+    lengths: list[int] | None = None  # pairs of each row before its padding (None: all T)
 
 
 def batch(features: Features, index: list[int], device: torch.device) -> Batch:
@@ -108,7 +109,10 @@ def batch(features: Features, index: list[int], device: torch.device) -> Batch:
         trained[row, :n] = mask[2:]
         feats[row, :n] = hidden[:-1]
         nexts[row, :n] = hidden[1:]
-    return Batch(tokens.to(device), feats.to(device), nexts.to(device), labels.to(device), trained.to(device))
+    lengths = [features.ids[i].shape[0] - 2 for i in picked]
+    return Batch(
+        tokens.to(device), feats.to(device), nexts.to(device), labels.to(device), trained.to(device), lengths
+    )
 
 
 def run_pairs(head: EagleHead, embed: torch.nn.Embedding, tokens: Tensor, features: Tensor) -> Tensor:
@@ -142,10 +146,16 @@ def eagle_loss(
         u = torch.rand(feats.shape, generator=generator, device=feats.device)
         feats = feats + (u - 0.5) * noise
     low = lm_weight.dtype != torch.float32
-    with torch.autocast(feats.device.type, dtype=lm_weight.dtype, enabled=low):
-        pred = run_pairs(head, embed, data.tokens, feats)  # (B, T, C)
     keep = data.trained  # (B, T)
-    g = pred[keep].float()  # (P, C)
+    b, t = keep.shape
+    # Each row runs alone over its own pairs: padded to the batch's longest row, a batch with
+    # one 1000-token prompt among 200-token chats would cost five times as much.
+    with torch.autocast(feats.device.type, dtype=lm_weight.dtype, enabled=low):
+        rows = [
+            run_pairs(head, embed, data.tokens[i : i + 1, :n], feats[i : i + 1, :n])[0][keep[i, :n]]
+            for i, n in enumerate(data.lengths or [t] * b)
+        ]  # (P_i, C) each: row i's trained positions
+    g = torch.cat(rows).float()  # (P, C), in the order of keep's trained positions
     regression = F.smooth_l1_loss(g, data.next_features[keep].float())
     logits = g.to(lm_weight.dtype) @ lm_weight  # (P, V)
     labels = data.labels[keep]  # (P,)
