@@ -123,7 +123,8 @@ def run_pairs(head: EagleHead, embed: torch.nn.Embedding, tokens: Tensor, featur
     cache.v = cache.v.expand(-1, b, -1, -1, -1).clone()
     positions = torch.arange(t, device=tokens.device)[None].expand(b, t)  # (B, T)
     plan = AttentionPlan([Segment(cache, 0, t)])  # from slot 0: the fused causal kernel
-    return head(embed(tokens).to(features.dtype), features, positions, plan)
+    x = embed(tokens).detach().to(features.dtype)  # the target's embedding is frozen: no (V, C) gradient
+    return head(x, features, positions, plan)
 
 
 def eagle_loss(
