@@ -300,6 +300,24 @@ def test_a_run_on_long_prompts_only(tiny_chat_dir: Path, tmp_path: Path) -> None
             prepare(TrainSettings(out=str(tmp_path / "bad"), max_len=80, self_distill=True, **common, **bad))  # type: ignore[arg-type]
 
 
+def test_eval_prompts_are_prompts_in_either_kind_of_run(tiny_chat_dir: Path, tmp_path: Path) -> None:
+    """τ is measured on held-out first prompts, ready for the reply, whether the run trains on
+    the dataset's answers or on the target's own, and they respect --min-prompt-len."""
+    from specdecode.train.pipeline import prepare
+
+    data = tmp_path / "sharegpt.json"
+    write_sharegpt(data, 30, cut=False)
+    common = dict(data=str(data), model=str(tiny_chat_dir), dtype="float32", progress=False, heldout=6)
+    for distill in (False, True):
+        settings = TrainSettings(out=str(tmp_path / str(distill)), max_len=80, self_distill=distill, **common)  # type: ignore[arg-type]
+        prep = prepare(settings)
+        found = [prompt(prep.tokenizer, c, 40) for c in prep.held_conversations]
+        expected = [s.ids for s in found if s is not None][: settings.eval_prompts]
+        assert expected and prep.eval_prompts(settings) == expected
+        longer = TrainSettings(**{**settings.__dict__, "min_prompt_len": 10**6})
+        assert prep.eval_prompts(longer) == []
+
+
 # ------------------------------------------------------------------------------------------------
 # Medusa training
 

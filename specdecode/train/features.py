@@ -174,8 +174,8 @@ def extract(
 
     `model_tag` names the target and its dtype in the cache key; the samples, `generate`,
     `max_len`, `max_new` (see `run_batch`) and `batch_size` (batch composition moves rounding)
-    complete it. A cache with
-    another key is replaced. Samples are batched by length, so padding stays small.
+    complete it. A cache with another key is replaced. Samples are batched by length, so padding
+    stays small.
     """
     from tqdm import tqdm
 

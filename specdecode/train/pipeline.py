@@ -105,11 +105,19 @@ class Prepared:
 
     def eval_prompts(self, settings: Common) -> list[list[int]]:
         """Token ids of the first `eval_prompts` held-out prompts (for τ of real decoding)."""
-        found = (prompt_sample(self.tokenizer, c, settings) for c in self.held_conversations)
-        return [s.ids for s in found if s is not None][: settings.eval_prompts]
+        found = (prompt(self.tokenizer, c, prompt_limit(settings)) for c in self.held_conversations)
+        long_enough = (s for s in found if s is not None and s.prompt_len >= settings.min_prompt_len)
+        return [s.ids for s in long_enough][: settings.eval_prompts]
 
 
-def prompt_sample(tokenizer: Tokenizer, conversation: Conversation, settings: Common) -> Sample | None:
+def prompt_limit(settings: Common) -> int:
+    """Longest first prompt a self-distillation run answers (and τ is measured on): `max_len`
+    less the answer cap, or half of `max_len` without one."""
+    answer = settings.max_answer_len
+    return settings.max_len - answer if answer else settings.max_len // 2
+
+
+def make_sample(tokenizer: Tokenizer, conversation: Conversation, settings: Common) -> Sample | None:
     """The sample a run makes of one conversation (None: it does not fit the run's lengths).
 
     Self-distillation takes the first prompt, of at most `max_len - max_answer_len` tokens
@@ -117,9 +125,7 @@ def prompt_sample(tokenizer: Tokenizer, conversation: Conversation, settings: Co
     Either way a sample whose prompt is shorter than `min_prompt_len` is left out (a run on
     long prompts only: documents to summarize, code to fix, passages to answer from)."""
     if settings.self_distill:
-        answer = settings.max_answer_len
-        limit = settings.max_len - answer if answer else settings.max_len // 2
-        sample = prompt(tokenizer, conversation, limit)
+        sample = prompt(tokenizer, conversation, prompt_limit(settings))
     else:
         sample = render(tokenizer, conversation, settings.max_len)
     return sample if sample is not None and sample.prompt_len >= settings.min_prompt_len else None
@@ -156,7 +162,7 @@ def prepare(settings: Common) -> Prepared:
     train_convs, held_convs = split(conversations, settings.heldout, settings.seed)
 
     def samples(convs: list[Conversation]) -> list[Sample]:
-        return [s for s in (prompt_sample(tokenizer, c, settings) for c in convs) if s is not None]
+        return [s for s in (make_sample(tokenizer, c, settings) for c in convs) if s is not None]
 
     train_samples, held_samples = samples(train_convs), samples(held_convs)
     if not train_samples or not held_samples:
