@@ -32,7 +32,7 @@ from specdecode.llm import LLM
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
 from specdecode.spec_config import Eagle2Config, EagleConfig, parse_speculative
-from specdecode.train.eagle import IGNORE, Batch, TrainSettings, eagle_loss, fit, run_pairs
+from specdecode.train.eagle import IGNORE, Batch, TrainSettings, eagle_loss, fit, run_pairs, unroll_pairs
 from specdecode.train.features import extract
 from specdecode.tree import DraftTree
 from tests.test_draft_model import (
@@ -474,6 +474,67 @@ def test_rows_of_other_lengths_give_the_padded_batchs_loss(target: Transformer) 
     assert torch.allclose(short.detach(), expected, atol=1e-5)
 
 
+def test_unrolled_steps_are_drafting_along_the_right_path(target: Transformer) -> None:
+    """Step d of `unroll_pairs` from start t is what the drafter computes at depth d+1 after
+    the true pairs 0..t: its own guesses fed back with the right tokens, one pair per step."""
+    head = random_head(target, seed=5, std=0.05)
+    n, steps, c = 6, 3, target.config.hidden_size
+    torch.manual_seed(5)
+    tokens = torch.randint(0, target.config.vocab_size, (n,))
+    feats = torch.randn(n, c)
+    with torch.no_grad():
+        outs = unroll_pairs(head, target.embed, tokens, feats, steps)
+        assert [o.shape[0] for o in outs] == [n, n - 1, n - 2]
+        for t in range(n):
+            cache = head.new_cache(n + steps, torch.float32, "cpu")
+            g = head.run(cache, target.embed(tokens[: t + 1]), feats[: t + 1], torch.arange(t + 1))[-1]
+            for d in range(min(steps, n - t)):
+                assert torch.allclose(outs[d][t], g, atol=1e-5), (t, d)
+                if t + d + 1 < n:
+                    g = head.run(
+                        cache, target.embed(tokens[t + d + 1 : t + d + 2]), g[None], torch.tensor([t + d + 1])
+                    )[0]
+
+
+def test_unrolled_loss_is_the_mean_of_the_steps_losses(target: Transformer) -> None:
+    """`unroll` 3: each step is scored against the features and tokens it guesses (step d of
+    start t: f_{t+1+d}, x_{t+2+d}) on trained positions only; the loss back-propagates through
+    the steps (no tensor autograd saved is written again) into every weight of the head."""
+    torch.manual_seed(6)
+    head = random_head(target, seed=6, std=0.05).train()
+    b, t, c = 2, 6, target.config.hidden_size
+    lengths = [6, 4]
+    tokens = torch.randint(0, target.config.vocab_size, (b, t))
+    feats = torch.randn(b, t, c, dtype=torch.float16)
+    nexts = torch.randn(b, t, c, dtype=torch.float16)
+    labels = torch.randint(0, target.config.vocab_size, (b, t))
+    trained = torch.arange(t)[None] < torch.tensor(lengths)[:, None]
+    trained[0, 2] = False
+    lm = target.head_weight_t().detach().float()
+    loss, _ = eagle_loss(
+        head, target.embed, lm, Batch(tokens, feats, nexts, labels, trained, lengths), 0.5, 0.0, unroll=3
+    )
+    loss.backward()
+    assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in head.parameters())
+    with torch.no_grad():
+        expected = []
+        runs = [
+            unroll_pairs(head, target.embed, tokens[i, :n], feats[i, :n].float(), 3)
+            for i, n in enumerate(lengths)
+        ]
+        for d in range(3):
+            at = [(i, j) for i, n in enumerate(lengths) for j in range(d, n) if trained[i, j]]
+            g = torch.stack([runs[i][d][j - d] for i, j in at])  # (P, C)
+            want = torch.stack([nexts[i, j] for i, j in at]).float()
+            label = torch.stack([labels[i, j] for i, j in at])
+            expected.append(F.smooth_l1_loss(g, want) + 0.5 * F.cross_entropy(g @ lm, label))
+    assert torch.allclose(loss.detach(), torch.stack(expected).mean(), atol=1e-5)
+    one, _ = eagle_loss(
+        head, target.embed, lm, Batch(tokens, feats, nexts, labels, trained, lengths), 0.5, 0.0
+    )
+    assert torch.allclose(one.detach(), expected[0], atol=1e-5)
+
+
 def test_train_command_end_to_end(
     tiny_chat_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -502,6 +563,21 @@ def test_train_command_end_to_end(
 
     specs = [{"method": "eagle", "head": str(out)}, {"method": "eagle2", "head": str(out), "depth": 3}]
     check_trained_run(tiny_chat_dir, argv, specs, capsys)
+
+    # Fine-tuning starts from --init's weights and keeps its draft vocabulary (not --draft-vocab's).
+    tuned = tmp_path / "tuned"
+    again = [*argv[:7], str(tuned), *argv[8:-1], "0", "--init", str(out), "--unroll", "2"]
+    assert main([*again, "--max-steps", "0"]) == 0
+    start = load_head(tuned)
+    assert torch.equal(start.draft_vocab, head.draft_vocab)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(start.state_dict().values(), head.state_dict().values(), strict=True)
+    )
+    assert main([*again, "--resume", "--max-steps", "2"]) == 0
+    moved = load_head(tuned)
+    assert torch.equal(moved.draft_vocab, head.draft_vocab)
+    assert not torch.equal(moved.fc.matrix(), head.fc.matrix())
 
 
 # ------------------------------------------------------------------------------------------------

@@ -264,9 +264,13 @@ def _load_reference(file: Path, config: dict[str, Any]) -> EagleHead:
 
 
 def load_head(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    tile: bool = True,
 ) -> EagleHead:
-    """An EAGLE head from a directory in either layout (see the module docstring)."""
+    """An EAGLE head from a directory in either layout (see the module docstring). `tile` False
+    keeps the weights trainable (no inference-only kernel layout)."""
     root, config = checkpoint.open_directory(path, "EAGLE head")
     if (root / WEIGHTS).is_file():
         checkpoint.check_method(root, config, "eagle", "an EAGLE")
@@ -280,7 +284,12 @@ def load_head(
             )
         head = _load_reference(found, config)
     head = head.to(device=device, dtype=dtype).eval()
-    if torch.device(device).type == "cpu" and dtype == torch.float32 and cpu_gemm.kernel() is not None:
+    if (
+        tile
+        and torch.device(device).type == "cpu"
+        and dtype == torch.float32
+        and cpu_gemm.kernel() is not None
+    ):
         # Drafting runs the layer on a few rows at a time: the target's few-row kernel layout.
         for dense in (head.fc, head.layer.qkv, head.layer.o, head.layer.gate_up, head.layer.down):
             dense.tile()

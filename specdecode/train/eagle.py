@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specdecode.attention import AttentionPlan, Segment
-from specdecode.drafters.eagle import EagleHead, load_head, save_head
+from specdecode.drafters.eagle import EagleHead, check_fits, load_head, save_head
 from specdecode.drafters.medusa import best_tree
 from specdecode.errors import SpecDecodeError
 from specdecode.models.transformer import Transformer
@@ -77,6 +77,8 @@ class TrainSettings(Common):
     tree_nodes: int = 11
     tree_depth: int = 5
     draft_vocab: int = 16384
+    unroll: int = 1  # drafting steps trained from each position (1: EAGLE's teacher forcing)
+    init: str | None = None  # a head to start from (its draft vocabulary is kept)
 
 
 @dataclass
@@ -127,6 +129,36 @@ def run_pairs(head: EagleHead, embed: torch.nn.Embedding, tokens: Tensor, featur
     return head(x, features, positions, plan)
 
 
+def unroll_pairs(
+    head: EagleHead, embed: torch.nn.Embedding, tokens: Tensor, features: Tensor, steps: int
+) -> list[Tensor]:
+    """One sequence's head outputs for `steps` drafting steps from every start, differentiably.
+
+    tokens (n,) x_{t+1}, features (n, C) f_t. Step 0 is teacher-forced: g_0 (n, C), row t the
+    guess of f_{t+1}. Step d feeds each start t the pair (x_{t+1+d}, g_{d-1}[t]) at position
+    t+d, attending the true pairs 0..t and its own pairs of the earlier steps, as drafting along
+    a right path does: g_d (n-d, C), row t the guess of f_{t+1+d}. (`depth_rank_counts` runs the
+    same passes without gradients.) Each step writes a fresh cache that copies the earlier
+    steps' keys, so no tensor that autograd saved is written again."""
+    n = tokens.shape[0]
+    x = embed(tokens).detach().to(features.dtype)  # (n, C); the frozen embedding: no (V, C) gradient
+    cache = head.new_cache(n, features.dtype, features.device)
+    outs = [head.run(cache, x, features, torch.arange(n, device=tokens.device))]  # causal from slot 0
+    for d in range(1, min(steps, n)):
+        m = n - d  # starts whose step-d pair and target exist
+        grown = head.new_cache(cache.length + m, features.dtype, features.device)
+        grown.k = torch.cat([cache.k[:, :, :, : cache.length], grown.k[:, :, :, :m]], dim=3)
+        grown.v = torch.cat([cache.v[:, :, :, : cache.length], grown.v[:, :, :, :m]], dim=3)
+        grown.length = cache.length
+        at = torch.arange(m, device=tokens.device)
+        blocks = [torch.arange(n, device=tokens.device)[None] <= at[:, None]]  # (m, n): true pairs 0..t
+        blocks += [torch.eye(m, n - j, dtype=torch.bool, device=tokens.device) for j in range(1, d + 1)]
+        mask = torch.cat(blocks, dim=1)  # (m, cache.length + m): + own pairs of steps 1..d
+        outs.append(head.run(grown, x[d:], outs[-1][:m], at + d, mask))
+        cache = grown
+    return outs
+
+
 def eagle_loss(
     head: EagleHead,
     embed: torch.nn.Embedding,
@@ -136,12 +168,17 @@ def eagle_loss(
     noise: float,
     generator: torch.Generator | None = None,
     probe: int = 128,
+    unroll: int = 1,
 ) -> tuple[Tensor, float]:
     """(loss, top-1 accuracy): smooth-L1 + ce_weight x CE on the trained positions, and how
     often the drafted token (argmax) is right on the first `probe` of them (a full argmax over
     V' costs as much as the softmax). `lm_weight` (C, V') is frozen: the draft vocabulary's
     columns, and `data.labels` index them (IGNORE: outside it). The head's matmuls run in
-    its dtype (autocast to bfloat16 when it is), and so do the logits and their softmax."""
+    its dtype (autocast to bfloat16 when it is), and so do the logits and their softmax.
+
+    `unroll` > 1 also trains drafting steps 2..unroll, where the head reads its own guesses
+    (`unroll_pairs`; HASS and EAGLE-3's training-time test): the loss is the mean of the
+    steps' losses, and the accuracy is step 1's."""
     feats = data.features.float()
     if noise > 0:
         u = torch.rand(feats.shape, generator=generator, device=feats.device)
@@ -149,22 +186,33 @@ def eagle_loss(
     low = lm_weight.dtype != torch.float32
     keep = data.trained  # (B, T)
     b, t = keep.shape
+    lengths = data.lengths or [t] * b
     # Each row runs alone over its own pairs: padded to the batch's longest row, a batch with
     # one 1000-token prompt among 200-token chats would cost five times as much.
     with torch.autocast(feats.device.type, dtype=lm_weight.dtype, enabled=low):
-        rows = [
-            run_pairs(head, embed, data.tokens[i : i + 1, :n], feats[i : i + 1, :n])[0][keep[i, :n]]
-            for i, n in enumerate(data.lengths or [t] * b)
-        ]  # (P_i, C) each: row i's trained positions
-    g = torch.cat(rows).float()  # (P, C), in the order of keep's trained positions
-    regression = F.smooth_l1_loss(g, data.next_features[keep].float())
-    logits = g.to(lm_weight.dtype) @ lm_weight  # (P, V)
-    labels = data.labels[keep]  # (P,)
-    ce = F.cross_entropy(logits, labels, ignore_index=IGNORE).float()
-    if not bool((labels != IGNORE).any()):
-        ce = logits.sum() * 0.0  # nothing to classify (cross_entropy would give NaN)
-    hits = (logits[:probe].detach().float().argmax(-1) == labels[:probe]).float().mean()
-    return regression + ce_weight * ce, float(hits) if labels.numel() else float("nan")
+        runs = [
+            unroll_pairs(head, embed, data.tokens[i, :n], feats[i, :n], unroll) for i, n in enumerate(lengths)
+        ]  # runs[i][d]: (n_i - d, C)
+    losses, hits = [], float("nan")
+    for d in range(unroll):
+        picked = [(i, run[d], keep[i, d : d + run[d].shape[0]]) for i, run in enumerate(runs) if len(run) > d]
+        if not any(bool(k.any()) for _, _, k in picked):
+            continue
+        g = torch.cat([out[k] for _, out, k in picked]).float()  # (P, C): trained positions, in order
+        at = [(i, d + k.nonzero().squeeze(1)) for i, _, k in picked]  # pair index of each target
+        nexts = torch.cat([data.next_features[i, j] for i, j in at]).float()  # (P, C) f_{t+1+d}
+        labels = torch.cat([data.labels[i, j] for i, j in at])  # (P,) x_{t+2+d}
+        regression = F.smooth_l1_loss(g, nexts)
+        logits = g.to(lm_weight.dtype) @ lm_weight  # (P, V)
+        ce = F.cross_entropy(logits, labels, ignore_index=IGNORE).float()
+        if not bool((labels != IGNORE).any()):
+            ce = logits.sum() * 0.0  # nothing to classify (cross_entropy would give NaN)
+        losses.append(regression + ce_weight * ce)
+        if d == 0:
+            hits = float((logits[:probe].detach().float().argmax(-1) == labels[:probe]).float().mean())
+    if not losses:  # no trained position at all
+        return sum(run[0].sum() for run in runs) * 0.0, float("nan")
+    return torch.stack(losses).mean(), hits
 
 
 def fit(
@@ -184,7 +232,18 @@ def fit(
     if lm_weight.is_inference():  # made under inference_mode (a cached tied head): autograd needs a copy
         lm_weight = lm_weight.clone()
     embed = target.embed
-    keys = ("model", "lr", "batch_size", "seed", "dtype", "ce_weight", "noise", "draft_vocab")
+    keys = (
+        "model",
+        "lr",
+        "batch_size",
+        "seed",
+        "dtype",
+        "ce_weight",
+        "noise",
+        "draft_vocab",
+        "unroll",
+        "init",
+    )
     total = total_steps(settings, len(data))
     optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
     losses, accs = RecentMean(), RecentMean()
@@ -194,7 +253,9 @@ def fit(
         if column is not None:
             chunk.labels = column[chunk.labels]
         g = torch.Generator(device=device).manual_seed(int(idx[0]) * 7919 + settings.seed)
-        loss, acc = eagle_loss(head, embed, lm_weight, chunk, settings.ce_weight, settings.noise, g)
+        loss, acc = eagle_loss(
+            head, embed, lm_weight, chunk, settings.ce_weight, settings.noise, g, unroll=settings.unroll
+        )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
@@ -307,8 +368,13 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         f"positions), {len(prep.heldout)} held out; features {prep.features_s:.0f} s"
     )
     torch.manual_seed(settings.seed)
-    head = EagleHead.for_target(target.config).to(target.device)
-    head.draft_vocab = draft_vocabulary(prep.train, settings.draft_vocab, target.config.vocab_size)
+    if settings.init is not None:
+        head = load_head(settings.init, torch.float32, target.device, tile=False).train()
+        check_fits(head, target, f"--init {settings.init}")
+        print(f"starting from the head in {settings.init}")
+    else:
+        head = EagleHead.for_target(target.config).to(target.device)
+        head.draft_vocab = draft_vocabulary(prep.train, settings.draft_vocab, target.config.vocab_size)
     t0 = time.perf_counter()
     figures = fit(head, target, prep.train, settings, out / "cache" / STATE)
     train_s = time.perf_counter() - t0
@@ -379,11 +445,23 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-vocab", type=int, default=d.draft_vocab, help="token ids the head drafts from (0: all)"
     )
+    p.add_argument(
+        "--unroll",
+        type=int,
+        default=d.unroll,
+        help="drafting steps trained from each position: 1 teacher-forces (EAGLE); n > 1 also trains "
+        "n-1 steps that read the head's own guesses, as drafting does (n times the work)",
+    )
+    p.add_argument(
+        "--init",
+        default=None,
+        help="start from this head directory (fine-tuning; its draft vocabulary is kept)",
+    )
 
 
 def main_args(args: argparse.Namespace) -> None:
     settings = settings_from_args(TrainSettings, args)
-    for name in ("tree_nodes", "tree_depth"):
+    for name in ("tree_nodes", "tree_depth", "unroll"):
         if getattr(args, name) < 1:
             raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.noise < 0 or args.ce_weight < 0:
