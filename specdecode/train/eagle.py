@@ -17,6 +17,13 @@ LM head on f_{t+1}: the hard label stands for the target distribution EAGLE dist
 features get uniform noise of width `noise` (EAGLE's U(-0.1, 0.1)): at drafting time the head
 reads its own, imperfect guesses.
 
+`--unroll n` trains what drafting does after depth 1 too (HASS; EAGLE-3's training-time test):
+from every position the head runs n-1 more steps, each reading its previous guess with the right
+next token and attending the true pairs plus its own earlier steps (`unroll_pairs`), and each
+step's guess is scored like the first against the target's feature and token it stands for.
+The loss is the steps' mean; a step costs about as much as the teacher-forced pass.
+`--init DIR` starts from a saved head (fine-tuning, keeping its draft vocabulary).
+
 The cross-entropy runs over the head's draft vocabulary (`--draft-vocab`, the V' ids it will
 draft from; chosen from the training answers before training): drafting takes a softmax over those
 columns only, so training does too, and a label outside them is not trained on.
