@@ -32,7 +32,7 @@ from specdecode.llm import LLM
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import SamplingParams
 from specdecode.spec_config import Eagle2Config, EagleConfig, parse_speculative
-from specdecode.train.eagle import IGNORE, Batch, TrainSettings, eagle_loss, fit, run_pairs, unroll_pairs
+from specdecode.train.eagle import IGNORE, Batch, TrainSettings, eagle_loss, fit, unroll_pairs
 from specdecode.train.features import extract
 from specdecode.tree import DraftTree
 from tests.test_draft_model import (
@@ -418,6 +418,15 @@ def test_resumed_training_ends_where_an_uninterrupted_run_does(tiny_chat_dir: Pa
     assert not torch.equal(straight.fc.weight_t, fresh().fc.weight_t)
 
 
+def teacher_forced(
+    head: EagleHead, target: Transformer, tokens: torch.Tensor, feats: torch.Tensor
+) -> torch.Tensor:
+    """The head's teacher-forced outputs (B, T, C) over pairs (tokens (B, T), features (B, T, C))."""
+    return torch.stack(
+        [unroll_pairs(head, target.embed, tok, f, 1)[0] for tok, f in zip(tokens, feats, strict=True)]
+    )
+
+
 def test_loss_over_the_draft_vocabulary(target: Transformer) -> None:
     """The cross-entropy is a softmax over the draft vocabulary's columns; a label outside it is
     skipped, and a batch with only such labels still has a finite loss (the regression)."""
@@ -436,7 +445,7 @@ def test_loss_over_the_draft_vocabulary(target: Transformer) -> None:
     loss, _ = eagle_loss(head, target.embed, lm[:, vocab], data, ce_weight=1.0, noise=0.0)
 
     with torch.no_grad():
-        g = run_pairs(head, target.embed, tokens, feats.float())[trained]  # (P, C)
+        g = teacher_forced(head, target, tokens, feats.float())[trained]  # (P, C)
         regression = F.smooth_l1_loss(g, nexts[trained].float())
         logp = (g @ lm[:, vocab]).log_softmax(-1)  # (P, V')
         flat = labels[trained]
@@ -468,7 +477,7 @@ def test_rows_of_other_lengths_give_the_padded_batchs_loss(target: Transformer) 
     padded, _ = eagle_loss(head, target.embed, lm, Batch(tokens, feats, nexts, labels, trained), 0.5, 0.0)
     assert torch.allclose(short.detach(), padded.detach(), atol=1e-5)
     with torch.no_grad():
-        g = run_pairs(head, target.embed, tokens, feats.float())[trained]  # (P, C)
+        g = teacher_forced(head, target, tokens, feats.float())[trained]  # (P, C)
         ce = F.cross_entropy(g @ lm, labels[trained])
         expected = F.smooth_l1_loss(g, nexts[trained].float()) + 0.5 * ce
     assert torch.allclose(short.detach(), expected, atol=1e-5)

@@ -45,7 +45,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specdecode.attention import AttentionPlan, Segment
 from specdecode.drafters.eagle import EagleHead, check_fits, load_head, save_head
 from specdecode.drafters.medusa import best_tree
 from specdecode.errors import SpecDecodeError
@@ -124,18 +123,6 @@ def batch(features: Features, index: list[int], device: torch.device) -> Batch:
     )
 
 
-def run_pairs(head: EagleHead, embed: torch.nn.Embedding, tokens: Tensor, features: Tensor) -> Tensor:
-    """Teacher-forced head outputs (B, T, C) over pairs (tokens (B, T), features (B, T, C))."""
-    b, t = tokens.shape
-    cache = head.new_cache(t, features.dtype, features.device)
-    cache.k = cache.k.expand(-1, b, -1, -1, -1).clone()  # one row per sequence
-    cache.v = cache.v.expand(-1, b, -1, -1, -1).clone()
-    positions = torch.arange(t, device=tokens.device)[None].expand(b, t)  # (B, T)
-    plan = AttentionPlan([Segment(cache, 0, t)])  # from slot 0: the fused causal kernel
-    x = embed(tokens).detach().to(features.dtype)  # the target's embedding is frozen: no (V, C) gradient
-    return head(x, features, positions, plan)
-
-
 def unroll_pairs(
     head: EagleHead, embed: torch.nn.Embedding, tokens: Tensor, features: Tensor, steps: int
 ) -> list[Tensor]:
@@ -144,8 +131,8 @@ def unroll_pairs(
     tokens (n,) x_{t+1}, features (n, C) f_t. Step 0 is teacher-forced: g_0 (n, C), row t the
     guess of f_{t+1}. Step d feeds each start t the pair (x_{t+1+d}, g_{d-1}[t]) at position
     t+d, attending the true pairs 0..t and its own pairs of the earlier steps, as drafting along
-    a right path does: g_d (n-d, C), row t the guess of f_{t+1+d}. (`depth_rank_counts` runs the
-    same passes without gradients.) Each step writes a fresh cache that copies the earlier
+    a right path does: g_d (n-d, C), row t the guess of f_{t+1+d}. (`depth_rank_counts` scores
+    these passes without gradients.) Each step writes a fresh cache that copies the earlier
     steps' keys, so no tensor that autograd saved is written again."""
     n = tokens.shape[0]
     x = embed(tokens).detach().to(features.dtype)  # (n, C); the frozen embedding: no (V, C) gradient
@@ -240,17 +227,8 @@ def fit(
         lm_weight = lm_weight.clone()
     embed = target.embed
     keys = (
-        "model",
-        "lr",
-        "batch_size",
-        "seed",
-        "dtype",
-        "ce_weight",
-        "noise",
-        "draft_vocab",
-        "unroll",
-        "init",
-    )
+        "model", "lr", "batch_size", "seed", "dtype", "ce_weight", "noise", "draft_vocab", "unroll", "init",
+    )  # fmt: skip
     total = total_steps(settings, len(data))
     optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
     losses, accs = RecentMean(), RecentMean()
@@ -315,9 +293,8 @@ def depth_rank_counts(
     head's r-th guess (r < MAX_RANK; [d, MAX_RANK]: lower), given the d tokens before it right.
 
     Depth 1 is teacher-forced (true features); depth d+1 feeds the head its own guess from depth
-    d with the right token, as drafting along a correct path does. All starts t of a sequence
-    run at once: pass d writes one pair per start after the earlier passes, and start t's pair
-    sees the true pairs 0..t and its own pairs of earlier passes. With a draft `vocab` (V',)
+    d with the right token, as drafting along a correct path does: the passes of
+    `unroll_pairs`, all starts of a sequence at once. With a draft `vocab` (V',)
     the ranks are among its tokens, and a token outside it counts as ranked too low.
     """
     lm_weight = target.head_weight_t().float()  # (C, V)
@@ -337,30 +314,18 @@ def depth_rank_counts(
             continue
         ids, mask = ids.to(target.device), mask.to(target.device)
         feats = hidden[:-1].to(target.device, torch.float32)  # (n, C) f_t
-        cache = head.new_cache(n * depth, torch.float32, target.device)
-        start = torch.arange(n, device=target.device)  # (n,)
+        outs = unroll_pairs(head, target.embed, ids[1:-1], feats, depth)  # outs[d]: (n-d, C)
         ok = torch.ones(n, dtype=torch.bool, device=target.device)  # path right so far
-        for d in range(depth):
-            tok_at = (start + 1 + d).clamp(max=ids.shape[0] - 1)  # x_{t+1+d}: the pair's token
-            label_at = start + 2 + d  # x_{t+2+d}: the token drafted at depth d+1
-            valid = label_at < ids.shape[0]
-            label_at = label_at.clamp(max=ids.shape[0] - 1)
-            ok = ok & valid & mask[label_at]
-            if d == 0:
-                mask_d = None  # causal over the true pairs
-            else:
-                true_part = start[None] <= start[:, None]  # (n, n)
-                own = torch.eye(n, dtype=torch.bool, device=target.device).repeat(1, d)  # (n, n*d)
-                mask_d = torch.cat([true_part, own], dim=1)  # (n, n*(d+1))
-            g = head.run(cache, target.embed(ids[tok_at]).float(), feats, start + d, mask_d)  # (n, C)
-            logits = g @ lm_weight  # (n, V')
-            col = column[ids[label_at]]  # (n,)
-            right = logits.gather(-1, col.clamp(min=0)[:, None])  # (n, 1)
-            rank = (logits > right).sum(-1).clamp(max=MAX_RANK)  # (n,)
+        for d, g in enumerate(outs):
+            labels = ids[2 + d :]  # (n-d,) x_{t+2+d}: the token drafted at depth d+1
+            ok = ok[: n - d] & mask[2 + d :]
+            logits = g @ lm_weight  # (n-d, V')
+            col = column[labels]  # (n-d,)
+            right = logits.gather(-1, col.clamp(min=0)[:, None])  # (n-d, 1)
+            rank = (logits > right).sum(-1).clamp(max=MAX_RANK)  # (n-d,)
             rank[col < 0] = MAX_RANK
             counts[d] += torch.bincount(rank[ok].cpu(), minlength=MAX_RANK + 1)
             ok = ok & (rank == 0)  # deeper depths count only along a right path
-            feats = g
     return counts
 
 
