@@ -29,6 +29,7 @@ from specdecode.spec_config import (
     Eagle2Config,
     EagleConfig,
     LookaheadConfig,
+    LookupBranchOptions,
     MedusaConfig,
     PromptLookupConfig,
     ReDrafterConfig,
@@ -250,6 +251,15 @@ class LLM:
             from specdecode.drafters.lookahead import LookaheadDrafter
 
             return None if spec.is_plain else LookaheadDrafter(spec)
+        trained = self._trained_drafter(spec)
+        if spec.prompt_lookup_num_tokens == 0:
+            return trained
+        from specdecode.drafters.lookup_branch import LookupBranch
+
+        return LookupBranch(trained, spec.prompt_lookup_num_tokens, spec.max_matching_ngram_size)
+
+    def _trained_drafter(self, spec: LookupBranchOptions) -> Drafter:
+        """The drafter of a method with trained heads (the lookup branch not yet added)."""
         if isinstance(spec, MedusaConfig):
             from specdecode.drafters.medusa import MedusaDrafter
 

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 from specdecode.errors import SpecDecodeError
 
 DRAFT_DTYPES = ("auto", "float32", "bfloat16")
+DEFAULT_LOOKUP_TOKENS = 6  # the trained drafters' lookup branch (LookupBranchOptions)
 
 
 def _draft_dtype(method: str, value: Any) -> None:
@@ -131,7 +132,30 @@ class LookaheadConfig:
 
 
 @dataclass(frozen=True)
-class MedusaConfig:
+class LookupBranchOptions:
+    """What the trained drafters (Medusa, ReDrafter, EAGLE-1, EAGLE-2) share: a prompt-lookup
+    path grafted onto their tree (`specdecode/drafters/lookup_branch.py`). Up to
+    `prompt_lookup_num_tokens` tokens (0: off) that followed the last earlier occurrence of the
+    longest suffix n-gram of at most `max_matching_ngram_size` tokens; nodes the tree already has
+    are reused. Output is unchanged; it adds what the heads are worst at, copying.
+    """
+
+    method: ClassVar[str]
+    prompt_lookup_num_tokens: int = DEFAULT_LOOKUP_TOKENS
+    max_matching_ngram_size: int = 2
+
+    def _check_lookup(self) -> None:
+        n = self.prompt_lookup_num_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise SpecDecodeError(
+                f"{self.method}: prompt_lookup_num_tokens must be an integer >= 0 "
+                f"(0: no lookup branch), got {n!r}"
+            )
+        _positive(self.method, "max_matching_ngram_size", self.max_matching_ngram_size)
+
+
+@dataclass(frozen=True)
+class MedusaConfig(LookupBranchOptions):
     """Medusa heads on the target's last hidden state draft a tree of their top-k guesses.
 
     `heads`: a heads directory (specdecode's layout or the Medusa reference's); None = the heads
@@ -155,6 +179,7 @@ class MedusaConfig:
     posterior_alpha: float | None = None
 
     def __post_init__(self) -> None:
+        self._check_lookup()
         if self.heads is not None and (not isinstance(self.heads, str) or not self.heads):
             raise SpecDecodeError("medusa: heads must be a path to a heads directory")
         if self.medusa_choices is not None:
@@ -186,7 +211,7 @@ class MedusaConfig:
 
 
 @dataclass(frozen=True)
-class ReDrafterConfig:
+class ReDrafterConfig(LookupBranchOptions):
     """A recurrent drafter on the target's last hidden state drafts the merged beams of a beam
     search (Cheng et al. 2024, "Recurrent Drafter").
 
@@ -205,6 +230,7 @@ class ReDrafterConfig:
     beam_length: int = 4
 
     def __post_init__(self) -> None:
+        self._check_lookup()
         if self.head is not None and (not isinstance(self.head, str) or not self.head):
             raise SpecDecodeError("redrafter: head must be a path to a drafter directory")
         _positive(self.method, "beam_width", self.beam_width)
@@ -217,7 +243,7 @@ class ReDrafterConfig:
 
 
 @dataclass(frozen=True)
-class EagleConfig:
+class EagleConfig(LookupBranchOptions):
     """EAGLE-1: a one-layer head extrapolating the target's features drafts a static tree.
 
     `head`: an EAGLE head directory (specdecode's layout or the EAGLE reference's); None = the
@@ -231,6 +257,7 @@ class EagleConfig:
     eagle_choices: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
+        self._check_lookup()
         _head_path(self.method, self.head)
         if self.eagle_choices is not None:
             choices = _tree_choices("eagle", "eagle_choices", self.eagle_choices)
@@ -238,7 +265,7 @@ class EagleConfig:
 
 
 @dataclass(frozen=True)
-class Eagle2Config:
+class Eagle2Config(LookupBranchOptions):
     """EAGLE-2: the EAGLE head grows a dynamic tree by draft confidence.
 
     `depth` levels; at each, the `top_k` nodes of highest cumulative draft probability are
@@ -254,6 +281,7 @@ class Eagle2Config:
     total_tokens: int = 11
 
     def __post_init__(self) -> None:
+        self._check_lookup()
         _head_path(self.method, self.head)
         _positive(self.method, "depth", self.depth)
         _positive(self.method, "top_k", self.top_k)

@@ -166,6 +166,39 @@ class DraftTree:
         """(N+1,) long: depth of every forward index, the root 0."""
         return self._ancestor_steps().sum(dim=1) - 1  # (N+1,)
 
+    def graft(self, chain: Sequence[int]) -> DraftTree:
+        """This tree plus the path `chain` from the root: the chain follows existing nodes while
+        their tokens match, and the rest is appended after every existing node, so the existing
+        nodes keep their numbers and the new ones are each tried after their existing siblings.
+        New nodes are point masses: rows of `draft_probs` one-hot on their tokens.
+        """
+        tokens, parents = self.tokens.tolist(), self.parents.tolist()
+        children = self.children()
+        at, k = 0, 0  # the node reached, the chain tokens matched
+        while k < len(chain):
+            same = [c for c in children[at] if tokens[c - 1] == chain[k]]
+            if not same:
+                break
+            at, k = same[0], k + 1
+        rest = [int(t) for t in chain[k:]]
+        if not rest:
+            return self
+        for token in rest:
+            parents.append(at)
+            tokens.append(token)
+            at = len(tokens)
+        device = self.tokens.device
+        probs = self.draft_probs
+        if probs is not None:
+            new = torch.zeros(len(rest), probs.shape[1], dtype=probs.dtype, device=probs.device)  # (M, V)
+            new[torch.arange(len(rest)), torch.tensor(rest)] = 1.0
+            probs = torch.cat([probs, new])
+        return DraftTree(
+            torch.tensor(tokens, dtype=torch.long, device=device),
+            torch.tensor(parents, dtype=torch.long, device=device),
+            probs,
+        )
+
     @staticmethod
     def from_choices(choices: Sequence[Sequence[int]]) -> TreeShape:
         """Same as the module function `from_choices` (the Medusa tree shape, no tokens yet)."""

@@ -28,6 +28,7 @@ from specdecode.spec_config import (
     DraftModelConfig,
     Eagle2Config,
     LookaheadConfig,
+    LookupBranchOptions,
     PromptLookupConfig,
     ReDrafterConfig,
     SpecConfig,
@@ -114,6 +115,16 @@ class Method:
 
 
 def label_of(spec: SpecConfig | None) -> str:
+    """A short name for a table row: the method and its main settings (`+pl=K,n=N`: the trained
+    drafter's lookup branch; `+pl=0` when it is off)."""
+    base = _base_label(spec)
+    if isinstance(spec, LookupBranchOptions):
+        k, n = spec.prompt_lookup_num_tokens, spec.max_matching_ngram_size
+        return f"{base}+pl={k}" + (f",n={n}" if k and n != 2 else "")
+    return base
+
+
+def _base_label(spec: SpecConfig | None) -> str:
     if spec is None:
         return "plain"
     if isinstance(spec, DraftModelConfig):
