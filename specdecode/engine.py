@@ -268,11 +268,13 @@ class Engine:
         t0 = time.perf_counter()
         prompt_hidden = self.prefill(req)
         if req.drafter is not None:
-            req.drafter.begin(req, prompt_hidden)
+            with torch.inference_mode():  # a drafter's own forwards (EAGLE's head) need no graph
+                req.drafter.begin(req, prompt_hidden)
         req.timing.prefill_s = time.perf_counter() - t0
         while req.finish_reason is None:
             emitted, result, logprobs = self.step(req)
-            tokens = req.commit(emitted, result, logprobs)
+            with torch.inference_mode():
+                tokens = req.commit(emitted, result, logprobs)
             now = time.perf_counter() - t0
             req.timing.first_token_s = req.timing.first_token_s or now
             req.timing.total_s = now
