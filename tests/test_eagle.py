@@ -120,7 +120,7 @@ def oracle(vocab: int = 96, seed: int = 5) -> tuple[Transformer, EagleHead]:
 
 @pytest.mark.parametrize(
     "name,per_step",
-    [("eagle, chain", 4), ("eagle2, narrow deep", 7), ("eagle2, defaults", 5)],
+    [("eagle, chain", 4), ("eagle2, narrow deep", 7), ("eagle2, defaults", 4)],
 )
 def test_oracle_head_is_always_accepted(name: str, per_step: int) -> None:
     """Every step emits depth + 1 tokens but the last (cut by max_tokens): drafts at every depth
@@ -281,7 +281,7 @@ def test_bad_settings_name_the_setting(spec: dict, words: str) -> None:
 
 
 def test_settings_defaults_and_choice_ranks(target: Transformer) -> None:
-    assert parse_speculative({"method": "eagle2"}) == Eagle2Config(depth=4, top_k=4, total_tokens=11)
+    assert parse_speculative({"method": "eagle2"}) == Eagle2Config(depth=3, top_k=3, total_tokens=8)
     assert parse_speculative({"method": "eagle", "eagle_choices": [[0], [1, 0]]}) == EagleConfig(
         eagle_choices=((0,), (1, 0))
     )

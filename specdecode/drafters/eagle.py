@@ -61,6 +61,7 @@ from specdecode.models import cpu_gemm
 from specdecode.models.config import ModelConfig
 from specdecode.models.transformer import Block, Dense, Rotary, Transformer
 from specdecode.sampling import SamplingParams, logits_to_probs
+from specdecode.spec_config import DEFAULT_EAGLE2
 from specdecode.tree import DraftTree, from_choices
 
 if TYPE_CHECKING:
@@ -69,10 +70,10 @@ if TYPE_CHECKING:
 WEIGHTS = "eagle.safetensors"
 DRAFT_VOCAB = "draft_vocab"  # optional tensor of the weights file: the ids the head drafts from
 REFERENCE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
-# EAGLE-2 defaults for SmolLM2-135M on a CPU, picked by measured speed (specdecode/heads/README.md):
-# the few-row kernel verifies up to 12 rows (root + 11 nodes) at about one row's cost, and each
-# depth costs a head forward plus an LM-head pass over the draft vocabulary.
-DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS = 4, 4, 11
+# EAGLE-2 defaults (Eagle2Config's) for SmolLM2-135M on a CPU, with the lookup branch carrying
+# the long copied runs (specdecode/heads/README.md): each depth costs a head forward plus an
+# LM-head pass over the draft vocabulary, and each verified row a little of the target forward.
+DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS = DEFAULT_EAGLE2
 LAYER_KEYS = (
     "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings",
     "rms_norm_eps", "rope_theta", "rope_scaling", "attention_bias",
