@@ -262,19 +262,18 @@ class Engine:
         emitted, result = plan.finish(self.model, req, segment.start, hidden)
         return emitted, result, step_logprobs(self.model, req, hidden, emitted, result)
 
+    @torch.inference_mode()  # for the drafter's own forwards too (EAGLE's head in begin/observe)
     def generate(self, req: Request) -> Iterator[list[int]]:
         """Run `req` until it finishes (or the caller stops iterating and sets `finish_reason`),
         yielding the tokens each step adds; fills `req.timing`."""
         t0 = time.perf_counter()
         prompt_hidden = self.prefill(req)
         if req.drafter is not None:
-            with torch.inference_mode():  # a drafter's own forwards (EAGLE's head) need no graph
-                req.drafter.begin(req, prompt_hidden)
+            req.drafter.begin(req, prompt_hidden)
         req.timing.prefill_s = time.perf_counter() - t0
         while req.finish_reason is None:
             emitted, result, logprobs = self.step(req)
-            with torch.inference_mode():
-                tokens = req.commit(emitted, result, logprobs)
+            tokens = req.commit(emitted, result, logprobs)
             now = time.perf_counter() - t0
             req.timing.first_token_s = req.timing.first_token_s or now
             req.timing.total_s = now

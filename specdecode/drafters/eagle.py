@@ -70,10 +70,6 @@ if TYPE_CHECKING:
 WEIGHTS = "eagle.safetensors"
 DRAFT_VOCAB = "draft_vocab"  # optional tensor of the weights file: the ids the head drafts from
 REFERENCE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
-# EAGLE-2 defaults (Eagle2Config's) for SmolLM2-135M on a CPU, with the lookup branch carrying
-# the long copied runs (specdecode/heads/README.md): each depth costs a head forward plus an
-# LM-head pass over the draft vocabulary, and each verified row a little of the target forward.
-DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS = DEFAULT_EAGLE2
 LAYER_KEYS = (
     "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings",
     "rms_norm_eps", "rope_theta", "rope_scaling", "attention_bias",
@@ -518,9 +514,9 @@ class EagleDrafter(Drafter):
         cls,
         head: EagleHead,
         target: Transformer,
-        depth: int = DEFAULT_DEPTH,
-        top_k: int = DEFAULT_TOP_K,
-        total_tokens: int = DEFAULT_TOTAL_TOKENS,
+        depth: int = DEFAULT_EAGLE2[0],
+        top_k: int = DEFAULT_EAGLE2[1],
+        total_tokens: int = DEFAULT_EAGLE2[2],
     ) -> EagleDrafter:
         return cls(head, target, grow=(depth, top_k, total_tokens))
 
@@ -545,7 +541,6 @@ class EagleDrafter(Drafter):
             out = self.head.run(self.cache, self.embed(ids[s:e]), features[s:e], positions)  # (T, C)
             self.last = out[-1]
 
-    @torch.inference_mode()
     def begin(self, req: Request, prompt_hidden: Tensor | None) -> None:
         """Pairs (x_{t+1}, f_t) of the prompt: `prompt_hidden` (P-1, C) is every row but the root's."""
         size = req.max_len + self.tree_slots
@@ -554,7 +549,6 @@ class EagleDrafter(Drafter):
         if prompt_hidden is not None and prompt_hidden.shape[0] > 0:
             self._commit(req.prompt_ids[1 : 1 + prompt_hidden.shape[0]], prompt_hidden)
 
-    @torch.inference_mode()
     def observe(self, req: Request, result: StepResult) -> None:
         """Append (a_1, f_n), ..., (a_m, f_{n+m-1}), (bonus, f_{n+m}): the target's features of
         the root and the accepted path, with the tokens that followed each."""

@@ -38,7 +38,7 @@ class LookupBranch(Drafter):
         )
         self.max_nodes = inner.max_nodes + num_tokens
         self.sampling_verifier = inner.sampling_verifier
-        self.grafted = 0  # steps whose tree got lookup nodes (for stats and tests)
+        self.grafted = 0  # steps whose tree got lookup nodes (the tests check the branch ran)
 
     def begin(self, req: Request, prompt_hidden: torch.Tensor | None) -> None:
         self.lookup.begin(req, prompt_hidden)
