@@ -134,6 +134,24 @@ def test_prompt_is_the_first_turn_ready_for_the_reply(tiny: tuple[Transformer, T
     assert prompt(tok, conversation, max_len=len(sample.ids) - 1) is None
 
 
+def test_prompt_turn_two_keeps_the_first_exchange_as_context(tiny: tuple[Transformer, Tokenizer]) -> None:
+    _, tok = tiny
+    conversation = [
+        {"role": "user", "content": "hi?"},
+        {"role": "assistant", "content": "yo."},
+        {"role": "user", "content": "ok"},
+        {"role": "assistant", "content": "ah"},
+    ]
+    sample = prompt(tok, conversation, max_len=100, turn=2)
+    assert sample is not None and not any(sample.mask) and sample.prompt_len == len(sample.ids)
+    assert tok.decode(sample.ids, skip_special_tokens=False) == (
+        "<|im_start|>user\nhi?<|im_end|>\n<|im_start|>assistant\nyo.<|im_end|>\n"
+        "<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert prompt(tok, conversation[:2], max_len=100, turn=2) is None  # one question only
+    assert prompt(tok, conversation, max_len=len(sample.ids) - 1, turn=2) is None
+
+
 def test_split_is_seeded_and_sized() -> None:
     items = list(range(50))
     train, held = split(items, 0.1, seed=3)
@@ -295,9 +313,30 @@ def test_a_run_on_long_prompts_only(tiny_chat_dir: Path, tmp_path: Path) -> None
     prompts = [int((~m).sum()) for m in long.train.mask]
     assert prompts and all(n >= cut for n in prompts) and len(prompts) < len(lengths)
     assert all(0 < int(m.sum()) <= 5 for m in long.train.mask)
-    for bad in (dict(max_answer_len=80), dict(max_answer_len=0), dict(min_prompt_len=-1)):
-        with pytest.raises(SpecDecodeError, match=r"max_answer_len|min_prompt_len"):
+    bads = (dict(max_answer_len=80), dict(max_answer_len=0), dict(min_prompt_len=-1), dict(prompt_turn=0))
+    for bad in bads:
+        with pytest.raises(SpecDecodeError, match=r"max_answer_len|min_prompt_len|prompt_turn"):
             prepare(TrainSettings(out=str(tmp_path / "bad"), max_len=80, self_distill=True, **common, **bad))  # type: ignore[arg-type]
+
+
+def test_prompt_turn_two_answers_second_questions(tiny_chat_dir: Path, tmp_path: Path) -> None:
+    """--prompt-turn 2 self-distils the answers to second questions, the first exchange as
+    context; conversations with one question are left out, and it needs --self-distill."""
+    from specdecode.train.pipeline import prepare
+
+    data = tmp_path / "sharegpt.json"
+    records = write_sharegpt(data, 30, cut=False)
+    common = dict(data=str(data), model=str(tiny_chat_dir), dtype="float32", progress=False, heldout=2)
+    turn2 = dict(max_len=250, max_answer_len=20, self_distill=True, prompt_turn=2)
+    prep = prepare(TrainSettings(out=str(tmp_path / "t2"), **turn2, **common))  # type: ignore[arg-type]
+    two = sum(1 for r in records if sum(t["from"] == "human" for t in r["conversations"]) >= 2)
+    assert 0 < len(prep.train) + len(prep.heldout) <= two < 30
+    for ids, mask in zip(prep.train.ids, prep.train.mask, strict=True):
+        context = prep.tokenizer.decode(ids[~mask].tolist(), skip_special_tokens=False)
+        assert context.count("<|im_start|>user") == 2 and context.count("<|im_start|>assistant") == 2
+        assert bool(mask.any())  # the target's own answer to the second question
+    with pytest.raises(SpecDecodeError, match="self-distill"):
+        prepare(TrainSettings(out=str(tmp_path / "raw"), max_len=250, prompt_turn=2, **common))  # type: ignore[arg-type]
 
 
 def test_eval_prompts_are_prompts_in_either_kind_of_run(tiny_chat_dir: Path, tmp_path: Path) -> None:

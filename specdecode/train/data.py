@@ -5,9 +5,10 @@ tokens. Its *mask* marks the tokens the assistant wrote, its end-of-turn token i
 tokens the target itself produces when it answers, which is what a drafter must predict. The
 template's own tokens (role headers, the system prompt) and the user's words are context only.
 
-For self-distillation only the *prompt* is taken (the template up to the first answer, ready for
-the reply); `features.extract` then lets the target write the answer itself. A drafter is judged
-on the target's own outputs, so learning them beats learning what ChatGPT once answered.
+For self-distillation only the *prompt* is taken (the template up to the first answer, or up to a
+later one with the dataset's earlier answers as context, ready for the reply); `features.extract`
+then lets the target write the answer itself. A drafter is judged on the target's own outputs,
+so learning them beats learning what ChatGPT once answered.
 """
 
 from __future__ import annotations
@@ -159,15 +160,19 @@ def render(tokenizer: Tokenizer, conversation: Conversation, max_len: int) -> Sa
     return Sample(ids, mask, mask.index(True))
 
 
-def prompt(tokenizer: Tokenizer, conversation: Conversation, max_len: int) -> Sample | None:
-    """The conversation up to its first user turn, ready for the reply (self-distillation).
+def prompt(tokenizer: Tokenizer, conversation: Conversation, max_len: int, turn: int = 1) -> Sample | None:
+    """The conversation up to its `turn`-th user message, ready for the reply (self-distillation).
 
-    None when it is longer than `max_len` tokens or the template rejects it; the sample has no
-    assistant tokens yet (`features.extract(..., generate=True)` adds them).
+    Turn 1 is the first question alone; turn 2 keeps the first question and the answer the
+    dataset gives it as context, as a chat's second turn (MT-Bench's) does. None when the
+    conversation has fewer user turns, is longer than `max_len` tokens or the template rejects
+    it; the sample has no assistant tokens yet (`features.extract(..., generate=True)` adds them).
     """
-    first = next(i for i, m in enumerate(conversation) if m["role"] == "user")
+    users = [i for i, m in enumerate(conversation) if m["role"] == "user"]
+    if len(users) < turn:
+        return None
     try:
-        ids = _render(tokenizer, conversation[: first + 1], generation_prompt=True)
+        ids = _render(tokenizer, conversation[: users[turn - 1] + 1], generation_prompt=True)
     except SpecDecodeError:
         return None
     if len(ids) > max_len:

@@ -62,6 +62,7 @@ class Common:
     more_features: tuple[str, ...] = ()
     max_len: int = 384
     min_prompt_len: int = 0
+    prompt_turn: int = 1
     max_answer_len: int | None = None
     epochs: int = 2
     lr: float = 1e-3
@@ -105,7 +106,8 @@ class Prepared:
 
     def eval_prompts(self, settings: Common) -> list[list[int]]:
         """Token ids of the first `eval_prompts` held-out prompts (for τ of real decoding)."""
-        found = (prompt(self.tokenizer, c, prompt_limit(settings)) for c in self.held_conversations)
+        limit, turn = prompt_limit(settings), settings.prompt_turn
+        found = (prompt(self.tokenizer, c, limit, turn) for c in self.held_conversations)
         long_enough = (s for s in found if s is not None and s.prompt_len >= settings.min_prompt_len)
         return [s.ids for s in long_enough][: settings.eval_prompts]
 
@@ -120,12 +122,13 @@ def prompt_limit(settings: Common) -> int:
 def make_sample(tokenizer: Tokenizer, conversation: Conversation, settings: Common) -> Sample | None:
     """The sample a run makes of one conversation (None: it does not fit the run's lengths).
 
-    Self-distillation takes the first prompt, of at most `max_len - max_answer_len` tokens
-    (`max_len // 2` without an answer cap); otherwise the whole conversation, cut to `max_len`.
+    Self-distillation takes the `prompt_turn`-th prompt (the first by default, earlier turns as
+    context), of at most `max_len - max_answer_len` tokens (`max_len // 2` without an answer
+    cap); otherwise the whole conversation, cut to `max_len`.
     Either way a sample whose prompt is shorter than `min_prompt_len` is left out (a run on
     long prompts only: documents to summarize, code to fix, passages to answer from)."""
     if settings.self_distill:
-        sample = prompt(tokenizer, conversation, prompt_limit(settings))
+        sample = prompt(tokenizer, conversation, prompt_limit(settings), settings.prompt_turn)
     else:
         sample = render(tokenizer, conversation, settings.max_len)
     return sample if sample is not None and sample.prompt_len >= settings.min_prompt_len else None
@@ -149,6 +152,10 @@ def prepare(settings: Common) -> Prepared:
         raise SpecDecodeError(f"max_answer_len must be in [1, max_len), got {answer}")
     if settings.min_prompt_len < 0:
         raise SpecDecodeError(f"min_prompt_len must be >= 0, got {settings.min_prompt_len}")
+    if settings.prompt_turn < 1:
+        raise SpecDecodeError(f"prompt_turn must be >= 1, got {settings.prompt_turn}")
+    if settings.prompt_turn > 1 and not settings.self_distill:
+        raise SpecDecodeError("prompt_turn picks the question that --self-distill answers: pass it too")
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype)
     path = resolve_model(settings.model, progress=settings.progress)
@@ -429,6 +436,11 @@ def add_common_args(p: argparse.ArgumentParser, settings: type[Settings]) -> Set
     p.add_argument(
         "--min-prompt-len", type=int, default=d.min_prompt_len,
         help="leave out samples whose prompt (chat template included) is shorter",
+    )  # fmt: skip
+    p.add_argument(
+        "--prompt-turn", type=int, default=d.prompt_turn,
+        help="with --self-distill: answer each conversation's N-th question, its earlier turns as "
+        "context (2: second turns, as MT-Bench's; conversations with fewer questions are left out)",
     )  # fmt: skip
     p.add_argument(
         "--max-answer-len", type=int, default=d.max_answer_len,
