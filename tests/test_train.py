@@ -101,14 +101,17 @@ def test_read_sharegpt_orders_roles(tmp_path: Path) -> None:
         read_sharegpt(tmp_path / "missing.json")
 
 
+TWO_TURNS = [
+    {"role": "user", "content": "hi?"},
+    {"role": "assistant", "content": "yo."},
+    {"role": "user", "content": "ok"},
+    {"role": "assistant", "content": "ah"},
+]
+
+
 def test_render_masks_what_the_assistant_wrote(tiny: tuple[Transformer, Tokenizer]) -> None:
     _, tok = tiny
-    conversation = [
-        {"role": "user", "content": "hi?"},
-        {"role": "assistant", "content": "yo."},
-        {"role": "user", "content": "ok"},
-        {"role": "assistant", "content": "ah"},
-    ]
+    conversation = TWO_TURNS
     sample = render(tok, conversation, max_len=1000)
     assert sample is not None
     assert sample.ids == tok.apply_chat_template(conversation, add_generation_prompt=False, tokenize=True)
@@ -136,12 +139,7 @@ def test_prompt_is_the_first_turn_ready_for_the_reply(tiny: tuple[Transformer, T
 
 def test_prompt_turn_two_keeps_the_first_exchange_as_context(tiny: tuple[Transformer, Tokenizer]) -> None:
     _, tok = tiny
-    conversation = [
-        {"role": "user", "content": "hi?"},
-        {"role": "assistant", "content": "yo."},
-        {"role": "user", "content": "ok"},
-        {"role": "assistant", "content": "ah"},
-    ]
+    conversation = TWO_TURNS
     sample = prompt(tok, conversation, max_len=100, turn=2)
     assert sample is not None and not any(sample.mask) and sample.prompt_len == len(sample.ids)
     assert tok.decode(sample.ids, skip_special_tokens=False) == (
