@@ -56,9 +56,8 @@ def main(source: str, out: str) -> None:
                     continue
                 seen.add(sentence)
                 request = f"Translate {lang} to English: {sentence}"
-                conversations.append({"id": f"translate-{len(conversations)}", "conversations": [
-                    {"from": "human", "value": request}, {"from": "gpt", "value": ""}
-                ]})  # fmt: skip
+                turns = [{"from": "human", "value": request}]  # the target writes the answer
+                conversations.append({"id": f"translate-{len(conversations)}", "conversations": turns})
     Path(out).write_text(json.dumps(conversations, ensure_ascii=False, indent=0))
     print(f"{len(conversations)} translation requests -> {out}")
 

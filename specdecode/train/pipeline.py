@@ -106,31 +106,30 @@ class Prepared:
 
     def eval_prompts(self, settings: Common) -> list[list[int]]:
         """Token ids of the first `eval_prompts` held-out prompts (for τ of real decoding)."""
-        limit, turn = prompt_limit(settings), settings.prompt_turn
-        found = (prompt(self.tokenizer, c, limit, turn) for c in self.held_conversations)
-        long_enough = (s for s in found if s is not None and s.prompt_len >= settings.min_prompt_len)
-        return [s.ids for s in long_enough][: settings.eval_prompts]
+        found = (run_prompt(self.tokenizer, c, settings) for c in self.held_conversations)
+        return [s.ids for s in found if s is not None][: settings.eval_prompts]
 
 
-def prompt_limit(settings: Common) -> int:
-    """Longest first prompt a self-distillation run answers (and τ is measured on): `max_len`
-    less the answer cap, or half of `max_len` without one."""
+def run_prompt(tokenizer: Tokenizer, conversation: Conversation, settings: Common) -> Sample | None:
+    """The prompt a run answers (self-distillation) and measures τ on: the conversation's
+    `prompt_turn`-th question (the first by default, earlier turns as context), of at most
+    `max_len - max_answer_len` tokens (`max_len // 2` without an answer cap) and at least
+    `min_prompt_len`; None when it has no such prompt."""
     answer = settings.max_answer_len
-    return settings.max_len - answer if answer else settings.max_len // 2
+    limit = settings.max_len - answer if answer else settings.max_len // 2
+    sample = prompt(tokenizer, conversation, limit, settings.prompt_turn)
+    return sample if sample is not None and sample.prompt_len >= settings.min_prompt_len else None
 
 
 def make_sample(tokenizer: Tokenizer, conversation: Conversation, settings: Common) -> Sample | None:
     """The sample a run makes of one conversation (None: it does not fit the run's lengths).
 
-    Self-distillation takes the `prompt_turn`-th prompt (the first by default, earlier turns as
-    context), of at most `max_len - max_answer_len` tokens (`max_len // 2` without an answer
-    cap); otherwise the whole conversation, cut to `max_len`.
-    Either way a sample whose prompt is shorter than `min_prompt_len` is left out (a run on
-    long prompts only: documents to summarize, code to fix, passages to answer from)."""
+    Self-distillation takes the prompt of `run_prompt`; otherwise the whole conversation, cut
+    to `max_len`. Either way a sample whose prompt is shorter than `min_prompt_len` is left out
+    (a run on long prompts only: documents to summarize, code to fix, passages to answer from)."""
     if settings.self_distill:
-        sample = prompt(tokenizer, conversation, prompt_limit(settings), settings.prompt_turn)
-    else:
-        sample = render(tokenizer, conversation, settings.max_len)
+        return run_prompt(tokenizer, conversation, settings)
+    sample = render(tokenizer, conversation, settings.max_len)
     return sample if sample is not None and sample.prompt_len >= settings.min_prompt_len else None
 
 
