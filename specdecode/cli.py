@@ -267,11 +267,11 @@ def _memory_size(text: str) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    from specdecode.engine.config import EngineConfig
     from specdecode.llm import LLM
-    from specdecode.serving.config import ServingConfig
     from specdecode.serving.server import serve
 
-    config = ServingConfig(  # validate before the (slow) model load
+    config = EngineConfig(  # validate before the (slow) model load
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,

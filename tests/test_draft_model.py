@@ -29,14 +29,15 @@ from tokenizers.models import WordLevel
 from specdecode.drafters.base import Drafter, Proposal
 from specdecode.drafters.draft_model import DraftModelDrafter, check_vocabularies
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
-from specdecode.engine import Engine, Request
 from specdecode.errors import SpecDecodeError
 from specdecode.models.config import ModelConfig
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.models.transformer import Transformer
+from specdecode.request import Request
 from specdecode.sampling import SamplingParams, logits_to_probs
 from specdecode.spec_config import DraftModelConfig, PromptLookupConfig
 from specdecode.tree import DraftTree
+from tests.alone import alone
 from tests.stats import chi_square_sf
 from tests.tiny import make_tiny_hf
 
@@ -73,8 +74,8 @@ def config(k: int, use_draft_logits: bool = True) -> DraftModelConfig:
 
 
 def run(model: Transformer, prompt: list[int], drafter: Drafter | None, params: SamplingParams) -> Request:
-    req = Request(model, prompt, params, [], drafter)
-    for _ in Engine(model).generate(req):
+    req, steps = alone(model, prompt, params, [], drafter)
+    for _ in steps:
         pass
     return req
 
@@ -152,8 +153,8 @@ def test_target_as_its_own_draft_accepts_everything(target: Transformer, k: int)
     after a fully accepted step its cache lacks only the last draft token and the bonus token."""
     prompt = PROMPTS["mixed"]
     drafter = CountingDrafter(config(k), target, target.config.vocab_size)
-    req = Request(target, prompt, greedy(61), [], drafter)
-    steps = [len(tokens) for tokens in Engine(target).generate(req)]
+    req, steps = alone(target, prompt, greedy(61), [], drafter)
+    steps = [len(tokens) for tokens in steps]
     assert req.output_ids == run(target, prompt, None, greedy(61)).output_ids
     assert all(n == k + 1 for n in steps[:-1]) and 1 <= steps[-1] <= k + 1, steps
     assert drafter.forwards[0] == [len(prompt) - 1]  # the prefill: prompt without its root
@@ -165,8 +166,8 @@ def test_target_as_its_own_draft_accepts_everything(target: Transformer, k: int)
 def test_draft_cache_follows_the_request(target: Transformer, drafts: dict[str, Transformer]) -> None:
     """After every step the draft's cache holds exactly a prefix of the request's tokens."""
     drafter = DraftModelDrafter(config(4), drafts["same shape, other seed"], target.config.vocab_size)
-    req = Request(target, PROMPTS["mixed"], greedy(40), [], drafter)
-    for _ in Engine(target).generate(req):
+    req, steps = alone(target, PROMPTS["mixed"], greedy(40), [], drafter)
+    for _ in steps:
         if req.finish_reason is None:  # observe has run
             assert drafter.cache is not None
             fed = drafter._fed
@@ -194,7 +195,7 @@ def test_draft_probs_shapes(target: Transformer, drafts: dict[str, Transformer])
         for use_logits, temperature in ((True, 1.0), (False, 1.0), (True, 0.0)):
             drafter = DraftModelDrafter(config(3, use_logits), drafts[name], v)
             params = SamplingParams(max_tokens=8, temperature=temperature, seed=0)
-            req = Request(target, PROMPTS["mixed"], params, [], drafter)
+            req = Request(target, PROMPTS["mixed"], params, [], drafter.max_nodes)
             drafter.begin(req, None)
             tree = drafter.propose(req).tree
             assert tree.num_nodes == 3 and tree.parents.tolist() == [0, 1, 2]
@@ -367,11 +368,10 @@ def sample_outputs(
     returns how often each output came and the mean τ (what every lossless-sampling test needs)."""
     counts: Counter[tuple[int, ...]] = Counter()
     forwards = 0
-    engine = Engine(target)
     for seed in range(n):
         params = SamplingParams(max_tokens=SEQ_LEN, seed=seed, ignore_eos=True, **PARAMS)
-        req = Request(target, PROMPT, params, [], make_drafter())
-        for _ in engine.generate(req):
+        req, steps = alone(target, PROMPT, params, [], make_drafter())
+        for _ in steps:
             pass
         counts[tuple(req.output_ids)] += 1
         forwards += req.stats.num_target_forwards

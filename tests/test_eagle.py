@@ -26,15 +26,16 @@ import torch.nn.functional as F
 from specdecode.cli import build_parser, main, speculative_settings
 from specdecode.drafters.base import Proposal
 from specdecode.drafters.eagle import EagleDrafter, EagleHead, load_head, save_head
-from specdecode.engine import Engine, Request
 from specdecode.errors import SpecDecodeError
 from specdecode.llm import LLM
 from specdecode.models.transformer import Transformer
+from specdecode.request import Request
 from specdecode.sampling import SamplingParams
 from specdecode.spec_config import Eagle2Config, EagleConfig, parse_speculative
 from specdecode.train.eagle import IGNORE, Batch, TrainSettings, eagle_loss, fit, unroll_pairs
 from specdecode.train.features import extract
 from specdecode.tree import DraftTree
+from tests.alone import alone, prefill
 from tests.test_draft_model import (
     PROMPT,
     SEQ_LEN,
@@ -127,8 +128,8 @@ def test_oracle_head_is_always_accepted(name: str, per_step: int) -> None:
     came from the right features, tokens and cache entries, after every kind of step."""
     target, head = oracle()
     for prompt in PROMPTS.values():
-        req = Request(target, prompt, greedy(61), [], DRAFTERS[name](head, target))
-        steps = [len(tokens) for tokens in Engine(target).generate(req)]
+        req, steps = alone(target, prompt, greedy(61), [], DRAFTERS[name](head, target))
+        steps = [len(tokens) for tokens in steps]
         assert req.output_ids == run(target, prompt, None, greedy(61)).output_ids
         if len(prompt) == 1:  # the first step only guesses the root again (no feature yet)
             steps = steps[1:]
@@ -212,8 +213,8 @@ def test_sampled_siblings_declare_their_conditional_distribution(target: Transfo
     head = random_head(target)
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=0)
     drafter = EagleDrafter.static(head, target, [[0], [1], [2], [0, 0], [0, 1]])
-    req = Request(target, PROMPTS["mixed"], params, [], drafter)
-    Engine(target).prefill(req)
+    req = Request(target, PROMPTS["mixed"], params, [], drafter.max_nodes)
+    prefill(target, req)
     drafter.begin(req, run_prefix(target, req.prompt_ids))
     tree = drafter.propose(req).tree
     q = tree.draft_probs
@@ -236,7 +237,7 @@ def run_prefix(model: Transformer, ids: list[int]) -> torch.Tensor:
 
 
 def proposal(drafter: EagleDrafter, model: Transformer, prompt: list[int]) -> Proposal:
-    req = Request(model, prompt, greedy(8), [], drafter)
+    req = Request(model, prompt, greedy(8), [], drafter.max_nodes)
     drafter.begin(req, run_prefix(model, prompt))
     return drafter.propose(req)
 
@@ -378,7 +379,7 @@ def test_checkpoint_errors(target: Transformer, tmp_path: Path) -> None:
     llm = LLM.__new__(LLM)  # only the shipped-head lookup: no model needed
     llm.model_name, llm._eagle_heads = "no-such-model", {}
     with pytest.raises(SpecDecodeError, match="specdecode train eagle --model no-such-model"):
-        llm.eagle_head(None)
+        llm.drafters.head("eagle", None)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -27,12 +27,15 @@ from specdecode.drafters.lookahead import (
     ngram_tree,
     window_layout,
 )
-from specdecode.engine import Engine, Request
+from specdecode.engine.config import EngineConfig
+from specdecode.engine.llm_engine import EngineRequest, LLMEngine
 from specdecode.models.transformer import Transformer
+from specdecode.request import Request
 from specdecode.sampling import SamplingParams, logits_to_probs
 from specdecode.spec_config import LookaheadConfig
 from specdecode.tree import DraftTree
 from specdecode.verify import Verdict
+from tests.alone import alone, prefill
 from tests.stats import chi_square_sf
 
 PROMPTS = [
@@ -51,8 +54,8 @@ def _greedy(max_tokens: int) -> SamplingParams:
 def _run(
     model: Transformer, prompt: list[int], params: SamplingParams, drafter: LookaheadDrafter | None = None
 ) -> Request:
-    req = Request(model, prompt, params, eos_token_ids=[2], drafter=drafter)
-    for _ in Engine(model).generate(req):
+    req, steps = alone(model, prompt, params, eos_token_ids=[2], max_draft=drafter.max_nodes)
+    for _ in steps:
         pass
     return req
 
@@ -176,8 +179,8 @@ def test_ngram_tree_merges_shared_prefixes() -> None:
 
 def test_drafter_proposes_pool_candidates_of_the_root(tiny: Transformer) -> None:
     drafter = LookaheadDrafter(LookaheadConfig(3, 3, 2), context_ngrams=True)
-    req = Request(tiny, [1, 10, 11, 12, 10, 11, 13, 10], _greedy(8), [2], drafter=drafter)
-    Engine(tiny).prefill(req)
+    req = Request(tiny, [1, 10, 11, 12, 10, 11, 13, 10], _greedy(8), [2], max_draft=drafter.max_nodes)
+    prefill(tiny, req)
     drafter.begin(req, None)
     proposal = drafter.propose(req)
     # Root 10: the prompt's trigrams starting with 10 are (10, 11, 12) and (10, 11, 13).
@@ -253,16 +256,20 @@ def test_window_advances_by_one_jacobi_iteration(tiny: Transformer) -> None:
     """After a step the top level holds the target's argmax at the old top level and the old
     levels moved down one (realign off, so the columns stay put)."""
     drafter = RecordingDrafter(LookaheadConfig(3, 4, 2), context_ngrams=False, realign=False)
-    req = Request(tiny, [1, 5, 9, 13, 20], _greedy(20), [2], drafter=drafter)
-    engine = Engine(tiny)
-    drafter.begin(req, engine.prefill(req))
-    before = [row[:] for row in drafter.window]
-    emitted, result, _ = engine.step(req)
-    req.append(emitted)
-    assert result is not None and result.side_best is not None
-    drafter.observe(req, result)
+    before: list[list[list[int]]] = []  # the window as each observe found it
+    recorded = drafter.observe
+
+    def observe(req: Request, result: StepResult) -> None:
+        before.append([row[:] for row in drafter.window])
+        recorded(req, result)
+
+    drafter.observe = observe  # type: ignore[method-assign]
+    _, steps = alone(tiny, [1, 5, 9, 13, 20], _greedy(20), [2], drafter)
+    next(steps)
+    result = drafter.results[0]
+    assert result.side_best is not None
     top = result.side_best[-3:]
-    assert drafter.window == [before[1], before[2], top]
+    assert drafter.window == [before[0][1], before[0][2], top]
 
 
 def _fake_step(drafter: LookaheadDrafter, emitted: list[int], argmax: list[int]) -> None:
@@ -382,26 +389,6 @@ def distribution_check(
     return tv < bound and p_value > 1e-6, detail
 
 
-class PrefilledEngine(Engine):
-    """The engine with the prompt's prefill done once and copied into every request's cache.
-
-    Only to make 20k generations affordable: the prefill is deterministic and lookahead ignores
-    its hidden states; every step (draft, forward, verification, observe) is the real engine's.
-    """
-
-    def __init__(self, model: Transformer, prompt: list[int], params: SamplingParams) -> None:
-        super().__init__(model)
-        self._template = Request(model, prompt, params, [], drafter=LookaheadDrafter(SAMPLE_CONFIG))
-        self._hidden = super().prefill(self._template)  # (P-1, C)
-
-    def prefill(self, req: Request) -> torch.Tensor:
-        assert req.prompt_ids == self._template.prompt_ids and req.max_len == self._template.max_len
-        req.cache.k.copy_(self._template.cache.k)
-        req.cache.v.copy_(self._template.cache.v)
-        req.cache.length = self._template.cache.length
-        return self._hidden
-
-
 def _sample_many(
     model: Transformer, params: SamplingParams, n: int, verifier: SamplingVerifier | None = None
 ) -> tuple[Counter[tuple[int, ...]], int]:
@@ -409,17 +396,20 @@ def _sample_many(
     generated 3-token sequences and the number of accepted draft tokens. `verifier` replaces the
     engine's sampling verification (through the drafter's hook), to plant a bug."""
     counts: Counter[tuple[int, ...]] = Counter()
-    accepted = 0
-    engine = PrefilledEngine(model, SAMPLE_PROMPT, params)
+    # All n at once on one engine: the prompt's blocks are computed once and reused from the
+    # prefix cache, and rows enough that no draft is trimmed (each runs as it would alone).
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=64, max_batch_tokens=4096, policy=False))
     torch.manual_seed(0)
+    seqs = []
     for i in range(n):
         drafter = LookaheadDrafter(SAMPLE_CONFIG, seed=i)
         drafter.sampling_verifier = verifier
-        req = Request(model, SAMPLE_PROMPT, params, [], drafter=drafter)
-        for _ in engine.generate(req):
-            pass
-        counts[tuple(req.output_ids)] += 1
-        accepted += req.stats.num_accepted_tokens
+        seqs.append(engine.add_request(EngineRequest(str(i), SAMPLE_PROMPT, params, None), drafter))
+    while engine.has_unfinished():
+        engine.step()
+    accepted = sum(seq.req.stats.num_accepted_tokens for seq in seqs)
+    for seq in seqs:
+        counts[tuple(seq.req.output_ids)] += 1
     return counts, accepted
 
 

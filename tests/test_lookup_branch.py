@@ -21,11 +21,11 @@ from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.lookup_branch import LookupBranch
 from specdecode.drafters.medusa import MedusaDrafter
 from specdecode.drafters.redrafter import ReDrafter
-from specdecode.engine import Engine, Request
 from specdecode.errors import SpecDecodeError
 from specdecode.models.transformer import Transformer
 from specdecode.spec_config import DEFAULT_LOOKUP_TOKENS, Eagle2Config, MedusaConfig, parse_speculative
 from specdecode.tree import DraftTree
+from tests.alone import alone
 from tests.test_draft_model import check_distribution, exact_distribution, greedy, run, sample_outputs
 from tests.test_draft_model import tiny_transformer as small_transformer
 from tests.test_eagle import PROMPT, SEQ_LEN, oracle, random_head
@@ -132,9 +132,9 @@ def test_the_inner_drafter_sees_steps_won_by_the_branch() -> None:
     drafter = LookupBranch(TRAINED["eagle2"](target), 4)
     inner = drafter.inner
     assert isinstance(inner, EagleDrafter)
-    req = Request(target, PROMPTS["mixed"], greedy(80), [], drafter)
+    req, steps = alone(target, PROMPTS["mixed"], greedy(80), [], drafter)
     emitted = []
-    for tokens in Engine(target).generate(req):
+    for tokens in steps:
         emitted.append(len(tokens))
         if req.finish_reason is None:
             assert inner.cache.length == len(req.all_ids) - 1  # every decided token but the root
@@ -209,8 +209,10 @@ def test_llm_wraps_the_trained_drafter_unless_off(tiny_model_dir: Path, tmp_path
 
     llm = LLM(model=str(copy_with_chat_tokenizer(tiny_model_dir, tmp_path / "m")), progress=False)
     heads = str(save_heads(random_heads(llm.model), tmp_path / "heads", target="tiny", dtype=torch.float32))
-    on = llm._drafter(parse_speculative({"method": "medusa", "heads": heads}))
-    off = llm._drafter(parse_speculative({"method": "medusa", "heads": heads, "prompt_lookup_num_tokens": 0}))
+    on = llm.drafters.build(parse_speculative({"method": "medusa", "heads": heads}))
+    off = llm.drafters.build(
+        parse_speculative({"method": "medusa", "heads": heads, "prompt_lookup_num_tokens": 0})
+    )
     assert isinstance(on, LookupBranch) and isinstance(on.inner, MedusaDrafter)
     assert on.max_nodes == on.inner.max_nodes + DEFAULT_LOOKUP_TOKENS
     assert isinstance(off, MedusaDrafter)

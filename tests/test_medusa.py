@@ -32,10 +32,10 @@ from specdecode.drafters.medusa import (
     load_heads,
     save_heads,
 )
-from specdecode.engine import Engine, Request
 from specdecode.errors import SpecDecodeError
 from specdecode.llm import LLM
 from specdecode.models.transformer import Transformer
+from specdecode.request import Request
 from specdecode.sampling import SamplingParams, logits_to_probs
 from specdecode.spec_config import MedusaConfig, parse_speculative
 from specdecode.train.data import Sample
@@ -43,6 +43,7 @@ from specdecode.train.features import extract
 from specdecode.train.medusa import TrainSettings, fit, positions
 from specdecode.tree import DraftTree
 from specdecode.verify import verify_typical
+from tests.alone import prefill
 from tests.test_draft_model import (
     PROMPT,
     SEQ_LEN,
@@ -196,8 +197,8 @@ def test_choices_must_fit_the_heads(target: Transformer) -> None:
 
 
 def proposal(drafter: MedusaDrafter, model: Transformer, prompt: list[int]) -> Proposal:
-    req = Request(model, prompt, greedy(8), [], drafter)
-    drafter.begin(req, Engine(model).prefill(req))
+    req = Request(model, prompt, greedy(8), [], drafter.max_nodes)
+    drafter.begin(req, prefill(model, req))
     return drafter.propose(req)
 
 
@@ -216,7 +217,7 @@ def test_tree_nodes_are_the_heads_top_k(target: Transformer) -> None:
     heads = random_heads(target)
     tree = proposal(MedusaDrafter(heads, target, [[0, 0], [1], [0, 2]]), target, PROMPTS["mixed"]).tree
     req = Request(target, PROMPTS["mixed"], greedy(8), [])
-    hidden = Engine(target).prefill(req)[-1]  # (C,)
+    hidden = prefill(target, req)[-1]  # (C,)
     with torch.inference_mode():
         top = heads(hidden, target.head_weight_t()).topk(3, dim=-1).indices  # (K, 3)
     # from_choices orders nodes by (depth, path): [0], [1], [0, 0], [0, 2]
@@ -305,7 +306,9 @@ def test_llm_loads_heads_once_and_names_missing_ones(tiny_model_dir: Path, tmp_p
     plain = llm.generate([[5, 6, 7, 8]], params, speculative=None)[0]
     out = llm.generate([[5, 6, 7, 8]], params, speculative=spec)[0]
     assert out.token_ids == plain.token_ids and out.stats.num_draft_tokens > 0
-    assert llm.medusa_heads(str(tmp_path / "heads")) is llm.medusa_heads(str(tmp_path / "heads/"))
+    assert llm.drafters.head("medusa", str(tmp_path / "heads")) is llm.drafters.head(
+        "medusa", str(tmp_path / "heads/")
+    )
     save_heads(MedusaHeads(2, 1, 32, 96), tmp_path / "narrow", target="other")
     with pytest.raises(SpecDecodeError, match="trained for another target"):
         llm.generate([[5, 6]], params, speculative={"method": "medusa", "heads": str(tmp_path / "narrow")})

@@ -37,8 +37,8 @@ def test_logits_match_transformers(tiny_model_dir: Path) -> None:
 
 
 def test_greedy_matches_transformers_generate(tiny_model_dir: Path) -> None:
-    from specdecode.engine import Engine, Request
     from specdecode.sampling import SamplingParams
+    from tests.alone import alone
 
     hf, ours = load_pair(tiny_model_dir)
     for prompt in ([5, 6, 7], [11, 40, 2, 77, 31, 9, 9, 9], list(range(10, 50))):
@@ -46,8 +46,8 @@ def test_greedy_matches_transformers_generate(tiny_model_dir: Path) -> None:
         expected = ref[0, len(prompt) :].tolist()
         if 2 in expected:  # transformers pads after the end-of-sequence token
             expected = expected[: expected.index(2) + 1]
-        req = Request(ours, prompt, SamplingParams(max_tokens=40, temperature=0), [2])
-        list(Engine(ours).generate(req))
+        req, steps = alone(ours, prompt, SamplingParams(max_tokens=40, temperature=0), [2])
+        list(steps)
         assert req.output_ids == expected
 
 

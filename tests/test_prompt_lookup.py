@@ -15,11 +15,12 @@ import torch
 from specdecode.drafters.base import Drafter, Proposal, StepResult
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
-from specdecode.engine import Engine, Request
 from specdecode.models.transformer import Transformer
+from specdecode.request import Request
 from specdecode.sampling import SamplingParams
 from specdecode.spec_config import PromptLookupConfig
 from specdecode.tree import DraftTree
+from tests.alone import alone
 from tests.tiny import make_tiny_hf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -174,10 +175,10 @@ def draft(tmp_path_factory: pytest.TempPathFactory) -> Transformer:
 
 
 def generate(model: Transformer, prompt: list[int], drafter: Drafter | None, max_tokens: int = 64) -> Request:
-    req = Request(
+    req, steps = alone(
         model, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), [], drafter
     )
-    for _ in Engine(model).generate(req):
+    for _ in steps:
         pass
     return req
 
@@ -240,9 +241,11 @@ def test_greedy_lookup_with_the_target_as_fallback_accepts_everything(target: Tr
     config = PromptLookupConfig(prompt_lookup_num_tokens=2, max_matching_ngram_size=1, num_draft_tokens=3)
     drafter = PromptLookupDrafter(config, DraftModelDrafter(config, target, target.config.vocab_size))
     prompt = [*PROMPTS["mixed"], 95]
-    req = Request(target, prompt, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True), [], drafter)
+    req, run = alone(
+        target, prompt, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True), [], drafter
+    )
     steps: list[tuple[str, int]] = []
-    for tokens in Engine(target).generate(req):
+    for tokens in run:
         steps.append((drafter.last_source, len(tokens)))
     assert req.output_ids == generate(target, prompt, None, max_tokens=60).output_ids
     fallback_steps = [n for source, n in steps[:-1] if source == "fallback"]

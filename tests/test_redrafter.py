@@ -31,10 +31,10 @@ from specdecode.drafters.redrafter import (
     merge_beams,
     save_head,
 )
-from specdecode.engine import Engine, Request
 from specdecode.errors import SpecDecodeError
 from specdecode.llm import LLM
 from specdecode.models.transformer import Transformer
+from specdecode.request import Request
 from specdecode.sampling import SamplingParams, logits_to_probs
 from specdecode.spec_config import ReDrafterConfig, parse_speculative
 from specdecode.train.data import Sample
@@ -42,6 +42,7 @@ from specdecode.train.features import extract
 from specdecode.train.pipeline import draft_columns
 from specdecode.train.redrafter import TrainSettings, drafter_logits, fit, positions, top1_by_depth
 from specdecode.tree import DraftTree
+from tests.alone import prefill
 from tests.test_draft_model import (
     PROMPT,
     SEQ_LEN,
@@ -367,8 +368,8 @@ def test_reference_layout_drafts_like_our_format(target: Transformer, tmp_path: 
     trees = {}
     for name, h in loaded.items():
         drafter = ReDrafter(h, target, 4, 4)
-        req = Request(target, prompt, greedy(8), [], drafter)
-        drafter.begin(req, Engine(target).prefill(req))
+        req = Request(target, prompt, greedy(8), [], drafter.max_nodes)
+        drafter.begin(req, prefill(target, req))
         trees[name] = drafter.propose(req).tree
     for name in ("safetensors", "bin"):
         assert not loaded[name].shared_lm_head
@@ -411,7 +412,9 @@ def test_llm_loads_the_drafter_once_and_names_missing_ones(tiny_model_dir: Path,
     plain = llm.generate([[5, 6, 7, 8]], params, speculative=None)[0]
     out = llm.generate([[5, 6, 7, 8]], params, speculative=spec)[0]
     assert out.token_ids == plain.token_ids and out.stats.num_draft_tokens > 0
-    assert llm.redrafter_head(str(tmp_path / "head")) is llm.redrafter_head(str(tmp_path / "head/"))
+    assert llm.drafters.head("redrafter", str(tmp_path / "head")) is llm.drafters.head(
+        "redrafter", str(tmp_path / "head/")
+    )
     save_head(ReDrafterHead(32, 96), tmp_path / "narrow", target="other")
     with pytest.raises(SpecDecodeError, match="trained for another target"):
         llm.generate([[5, 6]], params, speculative={"method": "redrafter", "head": str(tmp_path / "narrow")})

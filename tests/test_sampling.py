@@ -71,14 +71,14 @@ def test_temperature_sharpens() -> None:
 
 
 def test_seed_makes_sampling_reproducible(tiny_model_dir) -> None:
-    from specdecode.engine import Engine, Request
     from specdecode.models.transformer import Transformer
+    from tests.alone import alone
 
     model = Transformer.from_dir(tiny_model_dir)
 
     def run(seed: int) -> list[int]:
-        req = Request(model, [3, 4, 5], SamplingParams(max_tokens=20, seed=seed, ignore_eos=True), [2])
-        list(Engine(model).generate(req))
+        req, steps = alone(model, [3, 4, 5], SamplingParams(max_tokens=20, seed=seed, ignore_eos=True), [2])
+        list(steps)
         return req.output_ids
 
     assert run(1) == run(1)

@@ -2,7 +2,7 @@
 
 Two engines stand behind it. `ScriptedEngine` (no model: each request repeats its prompt's tokens,
 two a step) makes the HTTP cases exact and quick: errors, stop strings, `n`, usage, disconnects,
-an engine that fails. The real `ServingEngine` on a tiny model shows end to end that greedy
+an engine that fails. The real `LLMEngine` on a tiny model shows end to end that greedy
 output over HTTP, streamed or not, plain or speculative, equals `LLM.generate`.
 """
 
@@ -24,10 +24,10 @@ import torch
 import uvicorn
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
+from specdecode.engine.config import EngineConfig
+from specdecode.engine.llm_engine import EngineRequest, EngineStats, LLMEngine, RequestDelta
 from specdecode.outputs import SpecStats
 from specdecode.serving.async_engine import AsyncEngine
-from specdecode.serving.config import ServingConfig
-from specdecode.serving.engine import EngineStats, RequestDelta, ServeRequest, ServingEngine
 from specdecode.serving.server import create_app
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -42,17 +42,17 @@ BREAKS = ord("#")  # a request whose prompt holds this byte makes ScriptedEngine
 
 
 class ScriptedEngine:
-    """Stands in for `ServingEngine` without a model: request r emits its prompt's tokens over
+    """Stands in for `LLMEngine` without a model: request r emits its prompt's tokens over
     and over, `per_step` a step, until `max_tokens`; `step_s` seconds of pretend compute a step.
     One KV block per running request, so a leak shows in `stats.kv_blocks_used`."""
 
     def __init__(self, per_step: int = 2, step_s: float = 0.0) -> None:
         self.per_step, self.step_s = per_step, step_s
         self.stats = EngineStats(kv_blocks_total=64)
-        self.running: dict[str, tuple[ServeRequest, list[int], SpecStats]] = {}
-        self.seen: list[ServeRequest] = []
+        self.running: dict[str, tuple[EngineRequest, list[int], SpecStats]] = {}
+        self.seen: list[EngineRequest] = []
 
-    def add_request(self, req: ServeRequest) -> None:
+    def add_request(self, req: EngineRequest) -> None:
         if REFUSED in req.prompt_ids:
             raise SpecDecodeError("prompt: the scripted engine refuses '~'")
         self.seen.append(req)
@@ -461,11 +461,9 @@ SPECS = [
 
 
 @pytest.fixture(scope="module")
-def real(llm: LLM) -> Iterator[tuple[str, ServingEngine]]:
+def real(llm: LLM) -> Iterator[tuple[str, LLMEngine]]:
     """The real engine on the tiny model; the policy off, so every request drafts as it asks."""
-    engine = ServingEngine(
-        llm, ServingConfig(block_size=4, max_num_seqs=8, max_batch_tokens=64, policy=False)
-    )
+    engine = llm.new_engine(EngineConfig(block_size=4, max_num_seqs=8, max_batch_tokens=64, policy=False))
     async_engine = AsyncEngine(engine)
     async_engine.start()
     with serving(create_app(llm, async_engine, model_name=MODEL)) as url:
@@ -687,8 +685,8 @@ def test_chat_logprobs_whole_and_streamed(real, llm: LLM) -> None:
 @pytest.mark.real
 def test_smollm2_chat_over_http_equals_llm_chat() -> None:
     llm = LLM(model="smollm2-135m", progress=False)
-    config = ServingConfig(kv_cache_memory=64 * 2**20, max_num_seqs=4, policy=False)
-    async_engine = AsyncEngine(ServingEngine(llm, config))
+    config = EngineConfig(kv_cache_memory=64 * 2**20, max_num_seqs=4, policy=False)
+    async_engine = AsyncEngine(llm.new_engine(config))
     async_engine.start()
     messages = [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}]
     expected = llm.chat(messages, SamplingParams(max_tokens=24, temperature=0), speculative=None)[0]

@@ -168,6 +168,6 @@ def test_draft_dtype(llm: LLM, tiny_paths) -> None:
 
     draft = str(tiny_paths[1])
     auto = torch.bfloat16 if cpu_gemm.kernel_bf16() is not None else torch.float32
-    assert llm.draft_model(draft, "auto").dtype == auto
-    assert llm.draft_model(draft, "float32").dtype == torch.float32
-    assert llm.draft_model(draft, "bfloat16").dtype == torch.bfloat16
+    assert llm.drafters.draft_model(draft, "auto").dtype == auto
+    assert llm.drafters.draft_model(draft, "float32").dtype == torch.float32
+    assert llm.drafters.draft_model(draft, "bfloat16").dtype == torch.bfloat16

@@ -17,7 +17,6 @@ import torch
 
 from specdecode.cli import main
 from specdecode.drafters.medusa import MedusaHeads, load_heads
-from specdecode.engine import Engine, Request
 from specdecode.errors import SpecDecodeError
 from specdecode.llm import LLM
 from specdecode.models.tokenizer import Tokenizer
@@ -27,6 +26,7 @@ from specdecode.train import features as features_module
 from specdecode.train.data import Sample, prompt, read_sharegpt, render, split
 from specdecode.train.features import Features, extract, run_batch
 from specdecode.train.medusa import IGNORE, TrainSettings, fit, positions
+from tests.alone import alone
 
 WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "big", "red", "and", "or", "why", "is", "it"]
 
@@ -193,8 +193,8 @@ def test_self_distillation_is_plain_greedy_decoding(tiny: tuple[Transformer, Tok
     rows = run_batch(model, samples, True, max_len, eos)
     for (ids, mask, hidden), sample in zip(rows, samples, strict=True):
         params = SamplingParams(max_tokens=max_len - len(sample.ids), temperature=0)
-        req = Request(model, sample.ids, params, eos)
-        for _ in Engine(model).generate(req):
+        req, steps = alone(model, sample.ids, params, eos)
+        for _ in steps:
             pass
         assert ids == sample.ids + req.output_ids
         assert mask == [False] * len(sample.ids) + [True] * len(req.output_ids)
@@ -215,8 +215,8 @@ def test_self_distilled_answers_stop_at_max_new(tiny: tuple[Transformer, Tokeniz
     rows = run_batch(model, samples, True, max_len, [2], max_new=max_new)
     for (ids, mask, hidden), sample in zip(rows, samples, strict=True):
         budget = min(max_new, max_len - len(sample.ids))
-        req = Request(model, sample.ids, SamplingParams(max_tokens=budget, temperature=0), [2])
-        for _ in Engine(model).generate(req):
+        req, steps = alone(model, sample.ids, SamplingParams(max_tokens=budget, temperature=0), [2])
+        for _ in steps:
             pass
         assert ids == sample.ids + req.output_ids and len(req.output_ids) <= budget
         assert sum(mask) == len(req.output_ids) and hidden.shape[0] == len(ids) - 1

@@ -84,8 +84,7 @@ def forward_latency(
 def run(model: str, dtype: str, new_tokens: int, repeats: int, threads: int | None) -> RuntimeReport:
     from transformers import AutoModelForCausalLM
 
-    from specdecode.llm import resolve_dtype
-    from specdecode.models.loader import resolve_model
+    from specdecode.models.loader import resolve_dtype, resolve_model
 
     if threads:
         torch.set_num_threads(threads)

@@ -3,7 +3,7 @@
     specdecode bench-serve --model smollm2-135m --streams 1,4,16,64 --max-tokens 64
 
 For each number of concurrent streams N, N Spec-Bench prompts are submitted at once to a fresh
-`ServingEngine` and run to completion, three ways in one run: speculation off, on (every request
+`LLMEngine` and run to completion, three ways in one run: speculation off, on (every request
 with `--spec`, default prompt lookup) and on under the load policy. Reported: output tokens/s of
 the whole batch, mean time to first token, and mean per-stream decoding tokens/s (tokens after
 the first per second after the first). All greedy, so the three modes emit the same tokens
@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 
 from specdecode.bench.specbench import DEFAULT_QUESTIONS, load_questions
+from specdecode.engine.config import EngineConfig
+from specdecode.engine.llm_engine import EngineRequest
+from specdecode.engine.policy import LatencyCurve
 from specdecode.errors import SpecDecodeError
 from specdecode.llm import LLM
 from specdecode.sampling import SamplingParams
-from specdecode.serving.config import ServingConfig
-from specdecode.serving.engine import ServeRequest, ServingEngine
-from specdecode.serving.policy import LatencyCurve
 from specdecode.spec_config import SpecConfig, parse_speculative
 
 MODES = ("off", "on", "policy")
@@ -56,15 +56,15 @@ def run_load(
     llm: LLM,
     prompts: list[list[int]],
     spec: SpecConfig | None,
-    config: ServingConfig,
+    config: EngineConfig,
     max_tokens: int,
 ) -> tuple[LoadResult, list[list[int]]]:
     """Submit every prompt at once to a fresh engine and run until all finish."""
-    engine = ServingEngine(llm, config)
+    engine = llm.new_engine(config)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
     for i, ids in enumerate(prompts):
-        engine.add_request(ServeRequest(str(i), ids, params, spec, arrival_time=t0))
+        engine.add_request(EngineRequest(str(i), ids, params, spec, arrival_time=t0))
     tokens: list[list[int]] = [[] for _ in prompts]
     first: list[float] = [0.0] * len(prompts)
     last: list[float] = [0.0] * len(prompts)
@@ -103,15 +103,15 @@ class PrefixResult:
     ttft_cold_s: float
 
 
-def prefix_reuse(llm: LLM, article: str, config: ServingConfig) -> PrefixResult:
+def prefix_reuse(llm: LLM, article: str, config: EngineConfig) -> PrefixResult:
     """TTFT of a second question about the same article, with its prefix cached and without."""
-    engine = ServingEngine(llm, config)
+    engine = llm.new_engine(config)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
     def ask(rid: str, question: str) -> tuple[float, int]:
         ids = llm.chat_prompt([{"role": "user", "content": f"{article}\n\n{question}"}])
         t0 = time.perf_counter()
-        engine.add_request(ServeRequest(rid, ids, params, None))
+        engine.add_request(EngineRequest(rid, ids, params, None))
         ttft, cached = 0.0, 0
         while engine.has_unfinished():
             for d in engine.step():
@@ -146,9 +146,9 @@ def main_args(args: argparse.Namespace) -> None:
     points = tuple(zip(curve.tokens, curve.seconds, strict=True))
     print("  " + ", ".join(f"{t}: {s * 1e3:.0f} ms" for t, s in points), flush=True)
     configs = {
-        "off": (None, ServingConfig(**base, policy=False)),
-        "on": (spec, ServingConfig(**base, policy=False)),
-        "policy": (spec, ServingConfig(**base, policy=True, latency_curve=points)),
+        "off": (None, EngineConfig(**base, policy=False)),
+        "on": (spec, EngineConfig(**base, policy=False)),
+        "policy": (spec, EngineConfig(**base, policy=True, latency_curve=points)),
     }
     run_load(llm, prompts[:2], spec, configs["policy"][1], 8)  # warm-up
     results: list[LoadResult] = []
@@ -170,7 +170,7 @@ def main_args(args: argparse.Namespace) -> None:
             )
         mismatches += sum(outputs[m] != outputs["off"] for m in MODES)
     article = max((q["turns"][0] for q in questions), key=len)
-    prefix = prefix_reuse(llm, article, ServingConfig(**base, policy=False))
+    prefix = prefix_reuse(llm, article, EngineConfig(**base, policy=False))
     print_table(results, prefix, mismatches)
     if args.json:
         record = {

@@ -1,61 +1,33 @@
 """The one interface every speculative method implements.
 
-A drafter is made per request. After the prompt is cached it is told so (`begin`); then each
-step it proposes a draft (`propose`) that the engine verifies in one target forward, and it is
-told the outcome (`observe`) so it can advance its own state (a draft model's cache, an n-gram
-pool, a feature history).
+A drafter is made per request (by `engine.drafter_factory`). After the prompt is cached it is
+told so (`begin`); then each step it proposes a draft (`propose`) that the engine verifies in one
+target forward, and it is told the outcome (`observe`) so it can advance its own state (a draft
+model's cache, an n-gram pool, a feature history).
+
+The prefill contract (one code path in the engine delivers it, however the prompt was cached):
+the engine calls `begin` once, when the cache holds the whole prompt but its last token (the
+first root), with the target's hidden states of the prompt rows it computed itself. The rows
+served from reused KV blocks of the prefix cache were not computed, so they are not there:
+
+- prefilled whole or in chunks: `start` = 0 and `prompt_hidden` is (P-1, C), every chunk's rows
+  in order;
+- the first `s` prompt tokens came from reused blocks: `start` = s and `prompt_hidden` is
+  (P-1-s, C), the rows of positions s .. P-2 (empty when only the root was left to compute).
+
+Row i of `prompt_hidden` is the target's output at prompt position `start + i`, so it predicts
+prompt token `start + i + 1`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from specdecode.tree import DraftTree
-from specdecode.verify import Verdict
+from specdecode.request import Proposal, Request, SamplingVerifier, StepResult
 
-if TYPE_CHECKING:
-    from specdecode.engine import Request
-
-# (tree, target_probs (N+1, V), generator) -> Verdict, as `verify_sampling`.
-SamplingVerifier = Callable[[DraftTree, torch.Tensor, "torch.Generator | None"], Verdict]
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """A draft tree, plus optional *side tokens* the target should also run but not verify.
-
-    Side tokens serve methods that learn from the target's outputs on guesses that are not
-    candidates (lookahead's Jacobi window). They follow the tree in the forward input, at
-    positions `root position + side_depths`, and attend to the cached prefix plus the new tokens
-    chosen by `side_mask`; their KV entries are always discarded after the step.
-    """
-
-    tree: DraftTree
-    side_tokens: torch.Tensor | None = None  # (M,) long
-    side_depths: torch.Tensor | None = None  # (M,) long, >= 1
-    side_mask: torch.Tensor | None = None  # (M, N+1+M) bool over [root, tree nodes, side tokens]
-
-    @property
-    def num_side(self) -> int:
-        return 0 if self.side_tokens is None else int(self.side_tokens.numel())
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What the target produced for a proposal, given to `Drafter.observe`."""
-
-    verdict: Verdict
-    hidden: torch.Tensor  # (N+1+M, C) target hidden states (after the final norm) of every input row
-    # (M,) the target's greedy token after each side token: all lookahead needs of their logits,
-    # read through the screened head (`Transformer.greedy_tokens`) at half the bytes of the logits
-    side_best: list[int] | None
-    num_draft: int  # N, draft tokens offered
-    max_depth: int  # depth of the deepest draft node
+__all__ = ["Drafter", "Proposal", "SamplingVerifier", "StepResult"]
 
 
 class Drafter(ABC):
@@ -67,8 +39,9 @@ class Drafter(ABC):
     # deliberately lossy opt-in does so (Medusa's typical acceptance); greedy is always exact.
     sampling_verifier: SamplingVerifier | None = None
 
-    def begin(self, req: Request, prompt_hidden: torch.Tensor | None) -> None:  # noqa: B027
-        """Called once after prefill; `prompt_hidden` is (P-1, C), the prompt without its last token."""
+    def begin(self, req: Request, prompt_hidden: torch.Tensor, start: int = 0) -> None:  # noqa: B027
+        """Called once after prefill; `prompt_hidden` (P-1-start, C) holds the target's rows of
+        prompt positions `start` .. P-2 (see the module's prefill contract)."""
 
     @abstractmethod
     def propose(self, req: Request) -> Proposal:

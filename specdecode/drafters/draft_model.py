@@ -31,7 +31,7 @@ from specdecode.sampling import logits_to_probs, sample
 from specdecode.tree import DraftTree
 
 if TYPE_CHECKING:
-    from specdecode.engine import Request
+    from specdecode.request import Request
 
 FEED_CHUNK = 512  # tokens per draft forward when catching up: bounds the attention scores' memory
 
@@ -95,7 +95,7 @@ class DraftModelDrafter(Drafter):
     # ---- Drafter interface ---------------------------------------------------------------------
 
     @torch.inference_mode()
-    def begin(self, req: Request, prompt_hidden: torch.Tensor | None) -> None:
+    def begin(self, req: Request, prompt_hidden: torch.Tensor, start: int = 0) -> None:
         """Make the draft's cache (as large as the request's) and prefill the prompt without its
         last token, the first root. `prompt_hidden` (the target's) is not used."""
         self.release()

@@ -61,7 +61,7 @@ from specdecode.spec_config import LookaheadConfig
 from specdecode.tree import DraftTree
 
 if TYPE_CHECKING:
-    from specdecode.engine import Request
+    from specdecode.request import Request
 
 
 class NgramPool:
@@ -184,7 +184,7 @@ class LookaheadDrafter(Drafter):
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
-    def begin(self, req: Request, prompt_hidden: torch.Tensor | None) -> None:
+    def begin(self, req: Request, prompt_hidden: torch.Tensor, start: int = 0) -> None:
         """Fill the window with random prompt tokens: any guess works, Jacobi iterations fix it,
         and tokens of the prompt are likelier than arbitrary vocabulary ids to recur."""
         if self.plain:

@@ -49,7 +49,7 @@ from specdecode.tree import DraftTree, from_choices
 from specdecode.verify import verify_typical
 
 if TYPE_CHECKING:
-    from specdecode.engine import Request
+    from specdecode.request import Request
 
 WEIGHTS = "medusa.safetensors"
 REFERENCE_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -331,9 +331,10 @@ class MedusaDrafter(Drafter):
             )
         self.hidden: Tensor | None = None  # (C,) the row whose target output is the current root
 
-    def begin(self, req: Request, prompt_hidden: Tensor | None) -> None:
-        """Keep the last prompt row: its target output is the prompt's last token, the first root."""
-        if prompt_hidden is not None and prompt_hidden.shape[0] > 0:
+    def begin(self, req: Request, prompt_hidden: Tensor, start: int = 0) -> None:
+        """Keep the last prompt row: its target output is the prompt's last token, the first root
+        (none when the prefix cache served every row before the root)."""
+        if prompt_hidden.shape[0] > 0:
             self.hidden = prompt_hidden[-1].clone()
         else:
             self.hidden = None

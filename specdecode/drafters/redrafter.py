@@ -66,7 +66,7 @@ from specdecode.models.transformer import Transformer
 from specdecode.tree import DraftTree
 
 if TYPE_CHECKING:
-    from specdecode.engine import Request
+    from specdecode.request import Request
 
 WEIGHTS = "redrafter.safetensors"
 REFERENCE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
@@ -365,9 +365,10 @@ class ReDrafter(Drafter):
         self.max_nodes = beam_width * self.depth
         self.hidden: Tensor | None = None  # (C,) the row whose target output is the current root
 
-    def begin(self, req: Request, prompt_hidden: Tensor | None) -> None:
-        """Keep the last prompt row: its target output is the prompt's last token, the first root."""
-        if prompt_hidden is not None and prompt_hidden.shape[0] > 0:
+    def begin(self, req: Request, prompt_hidden: Tensor, start: int = 0) -> None:
+        """Keep the last prompt row: its target output is the prompt's last token, the first root
+        (none when the prefix cache served every row before the root)."""
+        if prompt_hidden.shape[0] > 0:
             self.hidden = prompt_hidden[-1].clone()
         else:
             self.hidden = None

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import torch
+
 from specdecode.errors import SpecDecodeError
 from specdecode.models.config import ModelConfig
 from specdecode.models.gguf import GGUF_MAGIC, load_gguf
@@ -83,3 +85,36 @@ def resolve_model(name_or_path: str, progress: bool = True) -> Path:
         f"unknown model {name!r}: not a known name ({', '.join(REGISTRY)}), a file, a directory, "
         "or a reachable hub id"
     )
+
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A dtype name or torch dtype checked against those the model runs in."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+        raise SpecDecodeError(f"unsupported dtype {dtype}: use float32 or bfloat16")
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise SpecDecodeError(f"unsupported dtype {dtype!r}: use float32 or bfloat16") from None
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """`None`/"auto": CUDA when there is one, else CPU."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise SpecDecodeError(f"unknown device {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SpecDecodeError(f"device {device!r} requested but no CUDA GPU is available")
+    return dev

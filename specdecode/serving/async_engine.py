@@ -19,8 +19,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
+from specdecode.engine.llm_engine import EngineRequest, EngineStats, LLMEngine, RequestDelta
 from specdecode.errors import SpecDecodeError
-from specdecode.serving.engine import EngineStats, RequestDelta, ServeRequest, ServingEngine
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +97,10 @@ class RequestStream:
 class AsyncEngine:
     """Runs `engine` on a thread of its own; `generate` and `abort` may be called from any loop."""
 
-    def __init__(self, engine: ServingEngine) -> None:
+    def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._wake = threading.Condition()  # guards everything below
-        self._inbox: deque[ServeRequest | str] = deque()  # a request to add, or an id to abort
+        self._inbox: deque[EngineRequest | str] = deque()  # a request to add, or an id to abort
         self._routes: dict[str, _Route] = {}
         self._stopping = False
         self._stats = copy.deepcopy(engine.stats)
@@ -138,7 +138,7 @@ class AsyncEngine:
 
     # ---- callers' side -------------------------------------------------------------------------
 
-    async def generate(self, req: ServeRequest) -> RequestStream:
+    async def generate(self, req: EngineRequest) -> RequestStream:
         """Submit `req`; returns its delta stream once the engine accepted it, or raises the
         engine's error (a `SpecDecodeError` for bad input)."""
         queue: asyncio.Queue[Item] = asyncio.Queue()
@@ -194,7 +194,7 @@ class AsyncEngine:
         with self._wake:
             return self._routes.pop(request_id, None) if pop else self._routes.get(request_id)
 
-    def _add(self, req: ServeRequest) -> None:
+    def _add(self, req: EngineRequest) -> None:
         try:
             self.engine.add_request(req)
         except Exception as exc:  # bad input (SpecDecodeError) or an engine bug: the caller gets it

@@ -10,7 +10,7 @@ go up and down. Speculation figures carry a `method` label, and per-position acc
 
 from __future__ import annotations
 
-from specdecode.serving.engine import EngineStats
+from specdecode.engine.llm_engine import EngineStats
 
 Sample = tuple[dict[str, str], float]
 

@@ -32,13 +32,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
+from specdecode.engine.config import EngineConfig
+from specdecode.engine.detokenizer import TextStream
+from specdecode.engine.llm_engine import EngineRequest, RequestDelta
 from specdecode.errors import SpecDecodeError
-from specdecode.llm import LLM, TextStream
+from specdecode.llm import LLM
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from specdecode.serving.async_engine import AsyncEngine, EngineStopped, RequestStream
-from specdecode.serving.config import ServingConfig
-from specdecode.serving.engine import RequestDelta, ServeRequest
 from specdecode.serving.metrics import render
 from specdecode.spec_config import SpecConfig, parse_speculative
 
@@ -392,7 +393,7 @@ class Server:
 
     def requests(
         self, prefix: str, prompts: list[list[int]], body: GenerationBody, params: SamplingParams
-    ) -> tuple[list[ServeRequest], list[Choice]]:
+    ) -> tuple[list[EngineRequest], list[Choice]]:
         """One engine request per choice; with a seed, choice k samples with seed + k."""
         spec = self.speculative(body)
         reqs, choices = [], []
@@ -401,14 +402,14 @@ class Server:
                 index = i * body.n + j
                 seed = None if params.seed is None else params.seed + index
                 reqs.append(
-                    ServeRequest(f"{prefix}-{index}", ids, dataclasses.replace(params, seed=seed), spec)
+                    EngineRequest(f"{prefix}-{index}", ids, dataclasses.replace(params, seed=seed), spec)
                 )
                 text = TextStream(self.llm.tokenizer, params.stop)
                 logprobs = None if params.logprobs is None else []
                 choices.append(Choice(index, len(ids), j == 0, text, logprobs=logprobs))
         return reqs, choices
 
-    async def submit(self, reqs: list[ServeRequest]) -> list[RequestStream]:
+    async def submit(self, reqs: list[EngineRequest]) -> list[RequestStream]:
         """Add every request at once (the engine thread takes them between two steps); if the
         engine refuses one, abort the others and answer with its error."""
         added = await asyncio.gather(*(self.engine.generate(req) for req in reqs), return_exceptions=True)
@@ -428,7 +429,7 @@ class Server:
         self,
         request: Request,
         body: GenerationBody,
-        reqs: list[ServeRequest],
+        reqs: list[EngineRequest],
         choices: list[Choice],
         shape: Shape,
     ) -> Response:
@@ -709,7 +710,7 @@ def create_app(
 
 def serve(
     llm: LLM,
-    config: ServingConfig,
+    config: EngineConfig,
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
@@ -718,9 +719,7 @@ def serve(
     """Serve `llm` until interrupted: the engine on its thread, uvicorn on this one."""
     import uvicorn
 
-    from specdecode.serving.engine import ServingEngine
-
-    engine = AsyncEngine(ServingEngine(llm, config))
+    engine = AsyncEngine(llm.new_engine(config))
     engine.start()
     try:
         app = create_app(llm, engine, config.speculative, model_name, api_key)

@@ -135,8 +135,7 @@ def make_sample(tokenizer: Tokenizer, conversation: Conversation, settings: Comm
 
 def prepare(settings: Common) -> Prepared:
     """Step 1 of every run: target, samples and features (cached under OUT/cache/)."""
-    from specdecode.llm import resolve_device, resolve_dtype
-    from specdecode.models.loader import resolve_model
+    from specdecode.models.loader import resolve_device, resolve_dtype, resolve_model
 
     started = time.perf_counter()
     out = Path(settings.out).expanduser()
@@ -351,22 +350,24 @@ def measure_tau(
     max_tokens: int,
     eos: list[int],
 ) -> float:
-    """τ (tokens per target forward) of greedy decoding over `prompts`, a fresh drafter each;
-    NaN without prompts."""
-    from specdecode.engine import Engine, Request
+    """τ (tokens per target forward) of greedy decoding over `prompts`, a fresh drafter each, all
+    decoded together on the engine; NaN without prompts."""
+    from specdecode.engine.config import EngineConfig
+    from specdecode.engine.llm_engine import EngineRequest, LLMEngine
     from specdecode.sampling import SamplingParams
 
     if not prompts:
         return float("nan")
-    engine = Engine(target)
-    tokens = forwards = 0
-    for ids in prompts:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        req = Request(target, ids, params, eos, make_drafter())
-        for _ in engine.generate(req):
-            pass
-        tokens += req.stats.num_generated_tokens
-        forwards += req.stats.num_target_forwards
+    engine = LLMEngine(target, EngineConfig(policy=False, prefix_caching=False), eos_token_ids=eos)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    seqs = [
+        engine.add_request(EngineRequest(str(i), ids, params, None), make_drafter())
+        for i, ids in enumerate(prompts)
+    ]
+    while engine.has_unfinished():
+        engine.step()
+    tokens = sum(seq.req.stats.num_generated_tokens for seq in seqs)
+    forwards = sum(seq.req.stats.num_target_forwards for seq in seqs)
     return tokens / max(forwards, 1)
 
 

@@ -20,24 +20,31 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from specdecode.engine import Request
-from specdecode.serving.block_pool import BlockPool
-from specdecode.serving.paged_cache import PagedCache
+import torch
+
+from specdecode.drafters.base import Drafter
+from specdecode.engine.block_pool import BlockPool
+from specdecode.engine.paged_cache import PagedCache
+from specdecode.request import Request
 
 
 @dataclass(eq=False)
 class Sequence:
-    """A request in the engine: the decoding state (`req`, whose cache is a `PagedCache`) plus
-    what serving tracks about it."""
+    """A request in the engine: the decoding state (`req`, whose cache is a `PagedCache`), its
+    drafter, plus what the engine tracks about it."""
 
     request_id: str
     req: Request
+    drafter: Drafter | None
     method: str  # speculative method name, "none" for plain decoding
     arrival_time: float = field(default_factory=time.perf_counter)
     num_cached_prompt_tokens: int = 0  # prompt tokens whose KV came from reused blocks
     started: bool = False  # the drafter has been told the prompt is cached (`begin`)
     draft_cost: float = 0.0  # running average of drafting seconds per draft token
     idle_steps: int = 0  # decoding steps since the policy last let it draft
+    # (start position, (T, C) rows) of each prefill chunk this admission computed, kept for the
+    # drafter's `begin` until the prompt is cached
+    prompt_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     @property
     def cache(self) -> PagedCache:
@@ -51,7 +58,15 @@ class Sequence:
     @property
     def max_step(self) -> int:
         """Rows of its widest decoding step: the root and the most draft tokens."""
-        return 1 + (self.req.drafter.max_nodes if self.req.drafter is not None else 0)
+        return 1 + (self.drafter.max_nodes if self.drafter is not None else 0)
+
+    def record_tokens(self, now: float) -> None:
+        """Time the request's output so far (`Request.timing`), from its arrival."""
+        timing = self.req.timing
+        since = now - self.arrival_time
+        timing.first_token_s = timing.first_token_s or since
+        timing.total_s = since
+        timing.num_tokens = len(self.req.output_ids)
 
     @property
     def prefilling(self) -> bool:
@@ -60,8 +75,9 @@ class Sequence:
     def release(self) -> None:
         """Free the target's blocks and whatever the drafter holds (a draft model's blocks)."""
         self.cache.release()
-        if self.req.drafter is not None:
-            self.req.drafter.release()
+        self.prompt_rows = []
+        if self.drafter is not None:
+            self.drafter.release()
 
 
 class Scheduler:

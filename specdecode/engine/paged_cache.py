@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from specdecode.engine.block_pool import NO_PARENT, BlockPool
 from specdecode.errors import SpecDecodeError
 from specdecode.models.config import ModelConfig
-from specdecode.serving.block_pool import NO_PARENT, BlockPool
 
 
 class PagedKVStorage:
@@ -35,8 +35,10 @@ class PagedKVStorage:
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
         shape = (config.num_layers, config.num_kv_heads, num_blocks * block_size, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Not zeroed: attention only reads slots a forward wrote first. On a CPU a large empty
+        # tensor is mapped lazily, so memory is taken as blocks are used, not all at start.
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
 
     @staticmethod
     def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -1,30 +1,66 @@
-"""The decoding loop for one request: prefill, then steps of (draft → one target forward → accept).
+"""A request's decoding state and one step's plan: the bottom layer every other one builds on.
 
 Bookkeeping: the request's last decided token is the *root*. It is not yet in the KV cache; each
 step runs the target over `[root] + draft`, keeps the root and the accepted draft tokens in the
 cache, and the step's last emitted token becomes the next root. Prefill therefore caches the
 prompt without its last token, and plain decoding is simply a step with an empty draft.
+
+Vocabulary: a *proposal* is what a drafter offers for one step (a draft tree, plus side tokens
+for methods that learn from the target's outputs on non-candidates); the *verdict* (`verify`) says
+which draft tokens were accepted; the `StepResult` is what a drafter observes afterwards.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from specdecode.attention import AttentionPlan, Segment, tree_mask
-from specdecode.drafters.base import Drafter, Proposal, StepResult
+from specdecode.attention import Segment, tree_mask
 from specdecode.errors import SpecDecodeError
 from specdecode.kv_cache import SequenceCache
 from specdecode.models.transformer import Transformer
 from specdecode.outputs import SpecStats, Timing
 from specdecode.sampling import SamplingParams, TokenLogprobs, logits_to_probs, sample, token_logprobs
 from specdecode.tree import DraftTree
-from specdecode.verify import greedy_walk, verify_sampling
+from specdecode.verify import Verdict, greedy_walk, verify_sampling
 
-PREFILL_CHUNK = 512  # prompt tokens per forward: bounds the attention scores' memory
+# (tree, target_probs (N+1, V), generator) -> Verdict, as `verify_sampling`.
+SamplingVerifier = Callable[[DraftTree, torch.Tensor, "torch.Generator | None"], Verdict]
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A draft tree, plus optional *side tokens* the target should also run but not verify.
+
+    Side tokens serve methods that learn from the target's outputs on guesses that are not
+    candidates (lookahead's Jacobi window). They follow the tree in the forward input, at
+    positions `root position + side_depths`, and attend to the cached prefix plus the new tokens
+    chosen by `side_mask`; their KV entries are always discarded after the step.
+    """
+
+    tree: DraftTree
+    side_tokens: torch.Tensor | None = None  # (M,) long
+    side_depths: torch.Tensor | None = None  # (M,) long, >= 1
+    side_mask: torch.Tensor | None = None  # (M, N+1+M) bool over [root, tree nodes, side tokens]
+
+    @property
+    def num_side(self) -> int:
+        return 0 if self.side_tokens is None else int(self.side_tokens.numel())
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the target produced for a proposal, given to `Drafter.observe`."""
+
+    verdict: Verdict
+    hidden: torch.Tensor  # (N+1+M, C) target hidden states (after the final norm) of every input row
+    # (M,) the target's greedy token after each side token: all lookahead needs of their logits,
+    # read through the screened head (`Transformer.greedy_tokens`) at half the bytes of the logits
+    side_best: list[int] | None
+    num_draft: int  # N, draft tokens offered
+    max_depth: int  # depth of the deepest draft node
 
 
 class Request:
@@ -36,10 +72,12 @@ class Request:
         prompt_ids: list[int],
         params: SamplingParams,
         eos_token_ids: list[int],
-        drafter: Drafter | None = None,
+        max_draft: int = 0,
         new_cache: Callable[[int], SequenceCache] | None = None,
     ) -> None:
-        """`new_cache(max_len)` makes the request's KV cache; None = a static `KVCache`."""
+        """`max_draft` is the widest proposal (tree nodes + side tokens) a step may verify, so the
+        cache has room for it; `new_cache(max_len)` makes the request's KV cache (None = a static
+        `KVCache`)."""
         context = model.config.max_position_embeddings
         if not prompt_ids:
             raise SpecDecodeError("the prompt is empty")
@@ -56,9 +94,8 @@ class Request:
         # Per output token when the request asked for logprobs (`SamplingParams.logprobs`).
         self.logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-        self.drafter = drafter
         # Room for every token this request may produce, plus the widest draft a step may verify.
-        reserve = drafter.max_nodes + 1 if drafter is not None else 0
+        reserve = max_draft + 1 if max_draft else 0
         self.max_len = min(len(prompt_ids) + params.max_tokens + reserve, context)
         self.cache: SequenceCache = (new_cache or model.new_cache)(self.max_len)
         self.generator: torch.Generator | None = None
@@ -97,9 +134,8 @@ class Request:
         result: StepResult | None,
         logprobs: list[TokenLogprobs] | None = None,
     ) -> list[int]:
-        """Append a step's tokens (and their `logprobs` when the request asked), count it in
-        `stats` and let the drafter observe it (unless the request finished); returns the tokens
-        kept."""
+        """Append a step's tokens (and their `logprobs` when the request asked) and count it in
+        `stats`; returns the tokens kept."""
         tokens = self.append(emitted)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs += logprobs[: len(tokens)]
@@ -108,8 +144,6 @@ class Request:
         else:
             accepted = min(result.verdict.num_draft_accepted, len(tokens))
             self.stats.record_step(result.max_depth, result.num_draft, accepted, len(tokens))
-            if self.finish_reason is None:
-                self.drafter.observe(self, result)  # type: ignore[union-attr]
         return tokens
 
 
@@ -133,9 +167,8 @@ def step_logprobs(
 class StepPlan:
     """One request's share of a target forward, and how to turn its output rows into tokens.
 
-    The single-request `Engine` runs one plan per forward; the serving engine concatenates the
-    plans of every running request into one forward. Either way `prepare` lays out the inputs and
-    `finish` verifies, so both share one verification path.
+    The engine concatenates the plans of every running request into one forward; `prepare` lays
+    out a request's inputs and `finish` verifies its rows.
 
     Input layout: the root, then the draft tree's nodes, then any side tokens. A plain step (no
     proposal) is the root alone, which needs no mask.
@@ -184,12 +217,14 @@ class StepPlan:
         start: int,
         hidden: torch.Tensor,  # (T, C) the forward's rows for this plan
         greedy: Sequence[int] | None = None,
+        sampling_verifier: SamplingVerifier | None = None,
     ) -> tuple[list[int], StepResult | None]:
         """Verify, compact the cache to the root and the accepted path, and return the emitted
         tokens with what the drafter should observe (None for a plain step). `greedy` holds the
         target's greedy token of each row when the caller screened them already (a batch screens
         every greedy request's rows in one pass of the LM head); tokens are resolved lazily, so a
-        walk down the tree reads only the rows on its accepted path."""
+        walk down the tree reads only the rows on its accepted path. `sampling_verifier` replaces
+        lossless `verify_sampling` for sampled requests (the drafter's deliberate opt-in)."""
         if req.params.greedy and greedy is None:
             greedy = model.greedy_rows(hidden)
         if self.tree is None:
@@ -208,8 +243,7 @@ class StepPlan:
             verdict = greedy_walk(tree, greedy)
         else:
             probs = logits_to_probs(model.logits(hidden[: n + 1]), req.params)
-            verify = req.drafter.sampling_verifier if req.drafter is not None else None
-            verdict = (verify or verify_sampling)(tree, probs, req.generator)
+            verdict = (sampling_verifier or verify_sampling)(tree, probs, req.generator)
         req.cache.compact(start, verdict.kept_indices)
         max_depth = int(self.depths[: n + 1].max())
         return verdict.tokens, StepResult(verdict, hidden, side_best, n, max_depth)
@@ -228,54 +262,3 @@ class RowSlice(Sequence[int]):
         if not 0 <= i < self.length:
             raise IndexError(i)
         return self.rows[self.start + i]
-
-
-class Engine:
-    """Runs requests on one target model. `generate` yields each step's newly emitted tokens."""
-
-    def __init__(self, model: Transformer) -> None:
-        self.model = model
-
-    @torch.inference_mode()
-    def prefill(self, req: Request) -> torch.Tensor:
-        """Cache the prompt except its last token (the first root); returns its hidden states (P-1, C)."""
-        ids = req.prompt_ids[:-1]
-        device = self.model.device
-        hidden = [torch.empty(0, self.model.config.hidden_size, dtype=self.model.dtype, device=device)]
-        for s in range(0, len(ids), PREFILL_CHUNK):
-            chunk = torch.tensor([ids[s : s + PREFILL_CHUNK]], device=device)  # (1, T)
-            positions = torch.arange(s, s + chunk.shape[1], device=device)[None]  # (1, T)
-            hidden.append(self.model(chunk, positions, req.cache)[0])
-        return torch.cat(hidden)
-
-    @torch.inference_mode()
-    def step(self, req: Request) -> tuple[list[int], StepResult | None, list[TokenLogprobs] | None]:
-        """One target forward over the root and the drafter's proposal (if any).
-
-        Returns the emitted tokens, for a speculative step what the drafter should observe, and
-        the tokens' logprobs when the request asked."""
-        proposal = req.drafter.propose(req) if req.drafter is not None else None
-        plan = StepPlan.prepare(req, proposal, self.model.device)
-        segment = plan.segment(req.cache)
-        positions = (segment.start + plan.depths)[None]  # (1, T)
-        hidden = self.model.forward_plan(plan.ids[None], positions, AttentionPlan([segment]))[0]
-        emitted, result = plan.finish(self.model, req, segment.start, hidden)
-        return emitted, result, step_logprobs(self.model, req, hidden, emitted, result)
-
-    @torch.inference_mode()  # for the drafter's own forwards too (EAGLE's head in begin/observe)
-    def generate(self, req: Request) -> Iterator[list[int]]:
-        """Run `req` until it finishes (or the caller stops iterating and sets `finish_reason`),
-        yielding the tokens each step adds; fills `req.timing`."""
-        t0 = time.perf_counter()
-        prompt_hidden = self.prefill(req)
-        if req.drafter is not None:
-            req.drafter.begin(req, prompt_hidden)
-        req.timing.prefill_s = time.perf_counter() - t0
-        while req.finish_reason is None:
-            emitted, result, logprobs = self.step(req)
-            tokens = req.commit(emitted, result, logprobs)
-            now = time.perf_counter() - t0
-            req.timing.first_token_s = req.timing.first_token_s or now
-            req.timing.total_s = now
-            req.timing.num_tokens = len(req.output_ids)
-            yield tokens

@@ -12,11 +12,11 @@ import torch
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.attention import AttentionPlan, Segment, causal_mask, tree_mask
 from specdecode.drafters.medusa import save_heads
-from specdecode.serving.block_pool import BlockPool
-from specdecode.serving.config import ServingConfig
-from specdecode.serving.engine import RequestDelta, ServeRequest, ServingEngine
-from specdecode.serving.paged_cache import PagedCache, PagedKVStorage
-from specdecode.serving.policy import Candidate, LatencyCurve, SpeculationPolicy, accept_rates
+from specdecode.engine.block_pool import BlockPool
+from specdecode.engine.config import EngineConfig
+from specdecode.engine.llm_engine import EngineRequest, LLMEngine, RequestDelta
+from specdecode.engine.paged_cache import PagedCache, PagedKVStorage
+from specdecode.engine.policy import Candidate, LatencyCurve, SpeculationPolicy, accept_rates
 from specdecode.spec_config import parse_speculative
 from specdecode.tree import DraftTree
 from tests.test_draft_model import tiny_transformer
@@ -184,8 +184,8 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def serve(
-    engine: ServingEngine,
-    requests: list[ServeRequest],
+    engine: LLMEngine,
+    requests: list[EngineRequest],
     per_step: int = 3,
     abort_after: dict[str, int] | None = None,
 ) -> dict[str, list[int]]:
@@ -220,12 +220,12 @@ def test_batch_invariance_and_no_leak(setup, policy: bool) -> None:
     ps = prompts(32)
     specs = [methods[i % len(methods)] for i in range(32)]
     expected = {str(i): alone(llm, p, params, s) for i, (p, s) in enumerate(zip(ps, specs, strict=True))}
-    config = ServingConfig(
+    config = EngineConfig(
         block_size=4, max_num_seqs=16, max_batch_tokens=64, policy=policy, latency_curve=FLAT_CURVE
     )
-    engine = ServingEngine(llm, config)
+    engine = llm.new_engine(config)
     requests = [
-        ServeRequest(str(i), p, params, parse_speculative(s))
+        EngineRequest(str(i), p, params, parse_speculative(s))
         for i, (p, s) in enumerate(zip(ps, specs, strict=True))
     ]
     aborted = {"3": 4, "10": 1, "17": 9}
@@ -253,10 +253,10 @@ def test_tiny_budget_waits_and_preempts(setup) -> None:
     expected = {str(i): alone(llm, p, params, s) for i, (p, s) in enumerate(zip(ps, specs, strict=True))}
     per_block = PagedKVStorage.block_bytes(llm.model.config, 4, llm.model.dtype)
     # 24 blocks of 4 tokens: one request needs up to 19; two cannot both grow to their end.
-    config = ServingConfig(block_size=4, kv_cache_memory=24 * per_block, policy=False, prefix_caching=False)
-    engine = ServingEngine(llm, config)
+    config = EngineConfig(block_size=4, kv_cache_memory=24 * per_block, policy=False, prefix_caching=False)
+    engine = llm.new_engine(config)
     requests = [
-        ServeRequest(str(i), p, params, parse_speculative(s))
+        EngineRequest(str(i), p, params, parse_speculative(s))
         for i, (p, s) in enumerate(zip(ps, specs, strict=True))
     ]
     waited = False
@@ -277,7 +277,7 @@ def test_prefix_reuse_skips_compute(setup) -> None:
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     shared = list(range(3, 53))  # 50 tokens: 6 full blocks of 8
     first, second = [*shared, 5, 6, 7], [*shared, 8, 9]
-    engine = ServingEngine(llm, ServingConfig(block_size=8, policy=False))
+    engine = llm.new_engine(EngineConfig(block_size=8, policy=False))
     rows: list[int] = []
     forward = engine.model.forward_plan
 
@@ -287,11 +287,11 @@ def test_prefix_reuse_skips_compute(setup) -> None:
 
     engine.model.forward_plan = counting  # type: ignore[method-assign]
     try:
-        out = serve(engine, [ServeRequest("a", first, params, None)])
+        out = serve(engine, [EngineRequest("a", first, params, None)])
         assert sum(rows) == len(first) - 1 + 6  # its prompt but the root, then 6 one-row steps
         rows.clear()
         deltas: list[RequestDelta] = []
-        engine.add_request(ServeRequest("b", second, params, None))
+        engine.add_request(EngineRequest("b", second, params, None))
         while engine.has_unfinished():
             deltas += engine.step()
     finally:
@@ -308,9 +308,9 @@ def test_sampled_requests_keep_their_own_stream(setup) -> None:
     ps = prompts(6, seed=3)
     params = [SamplingParams(max_tokens=12, temperature=0.8, seed=i) for i in range(6)]
     expected = {str(i): alone(llm, p, params[i], methods[i % 2]) for i, p in enumerate(ps)}
-    engine = ServingEngine(llm, ServingConfig(block_size=4, policy=False))
+    engine = llm.new_engine(EngineConfig(block_size=4, policy=False))
     requests = [
-        ServeRequest(str(i), p, params[i], parse_speculative(methods[i % 2])) for i, p in enumerate(ps)
+        EngineRequest(str(i), p, params[i], parse_speculative(methods[i % 2])) for i, p in enumerate(ps)
     ]
     assert serve(engine, requests) == expected
 
@@ -325,10 +325,10 @@ def test_logprobs_in_a_mixed_batch_equal_the_single_request_engines(setup) -> No
         SamplingParams(max_tokens=10, temperature=0.7, seed=i, ignore_eos=True, logprobs=0) for i in (1, 2)
     ]
     specs = [*methods, None, methods[1]]
-    engine = ServingEngine(llm, ServingConfig(block_size=4, policy=False))
+    engine = llm.new_engine(EngineConfig(block_size=4, policy=False))
     got: dict[str, list] = {str(i): [] for i in range(len(ps))}
     for i, (p, sp, spec) in enumerate(zip(ps, params, specs, strict=True)):
-        engine.add_request(ServeRequest(str(i), p, sp, parse_speculative(spec)))
+        engine.add_request(EngineRequest(str(i), p, sp, parse_speculative(spec)))
     while engine.has_unfinished():
         for d in engine.step():
             assert d.logprobs is not None and len(d.logprobs) == len(d.new_token_ids)
@@ -359,10 +359,10 @@ def test_draft_models_use_paged_blocks_freed_on_finish_abort_and_preemption(setu
     params[4] = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
     expected = {str(i): alone(llm, p, params[i], s) for i, (p, s) in enumerate(zip(ps, specs, strict=True))}
     per_block = PagedKVStorage.block_bytes(llm.model.config, 4, llm.model.dtype)
-    config = ServingConfig(block_size=4, kv_cache_memory=40 * per_block, policy=False, prefix_caching=False)
-    engine = ServingEngine(llm, config)
+    config = EngineConfig(block_size=4, kv_cache_memory=40 * per_block, policy=False, prefix_caching=False)
+    engine = llm.new_engine(config)
     for i, (p, s) in enumerate(zip(ps, specs, strict=True)):
-        engine.add_request(ServeRequest(str(i), p, params[i], parse_speculative(s)))
+        engine.add_request(EngineRequest(str(i), p, params[i], parse_speculative(s)))
     out: dict[str, list[int]] = {str(i): [] for i in range(len(specs))}
     most_draft_blocks = 0
     while engine.has_unfinished():
@@ -387,10 +387,10 @@ def test_short_of_draft_blocks_a_request_decodes_plainly(setup) -> None:
     spec = draft_specs(llm, methods)[0]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # with 16 tokens and 3 drafts: more than 20
-    engine = ServingEngine(llm, ServingConfig(block_size=4, policy=False))
-    draft = llm.draft_model(llm.model_name)
+    engine = llm.new_engine(EngineConfig(block_size=4, policy=False))
+    draft = llm.drafters.draft_model(llm.model_name)
     engine.draft_storages[draft] = PagedKVStorage(draft.config, 5, 4, draft.dtype)  # 20 tokens
-    out = serve(engine, [ServeRequest("a", prompt, params, parse_speculative(spec))])
+    out = serve(engine, [EngineRequest("a", prompt, params, parse_speculative(spec))])
     assert out["a"] == alone(llm, prompt, params, spec)
     assert engine.stats.drafts_proposed["draft_model"] > 0  # it drafted until the blocks ran out
     assert engine.stats.draft_kv_blocks_used == 0
@@ -399,33 +399,33 @@ def test_short_of_draft_blocks_a_request_decodes_plainly(setup) -> None:
 def test_default_draft_model_shares_the_memory_budget(setup) -> None:
     llm, _ = setup
     spec = parse_speculative({"method": "draft_model", "draft_model": llm.model_name})
-    draft = llm.draft_model(llm.model_name)
+    draft = llm.drafters.draft_model(llm.model_name)
     target_block = PagedKVStorage.block_bytes(llm.model.config, 4, llm.model.dtype)
     draft_block = PagedKVStorage.block_bytes(draft.config, 4, draft.dtype)
     memory = 50 * target_block
-    engine = ServingEngine(
-        llm, ServingConfig(block_size=4, kv_cache_memory=memory, speculative=spec, policy=False)
+    engine = llm.new_engine(
+        EngineConfig(block_size=4, kv_cache_memory=memory, speculative=spec, policy=False)
     )
     assert engine.pool.num_blocks == memory // (target_block + draft_block) < 50
-    serve(engine, [ServeRequest("a", prompts(1)[0], SamplingParams(max_tokens=4), spec)])
+    serve(engine, [EngineRequest("a", prompts(1)[0], SamplingParams(max_tokens=4), spec)])
     assert engine.stats.draft_kv_blocks_total == engine.pool.num_blocks
 
 
 def test_bad_requests_and_settings(setup) -> None:
     llm, _ = setup
     per_block = PagedKVStorage.block_bytes(llm.model.config, 4, llm.model.dtype)
-    engine = ServingEngine(llm, ServingConfig(block_size=4, kv_cache_memory=8 * per_block, policy=False))
+    engine = llm.new_engine(EngineConfig(block_size=4, kv_cache_memory=8 * per_block, policy=False))
     params = SamplingParams(max_tokens=4)
     with pytest.raises(SpecDecodeError, match="empty"):
-        engine.add_request(ServeRequest("x", [], params, None))
+        engine.add_request(EngineRequest("x", [], params, None))
     context = llm.model.config.max_position_embeddings
     with pytest.raises(SpecDecodeError, match="context"):
-        engine.add_request(ServeRequest("x", [5] * context, params, None))
+        engine.add_request(EngineRequest("x", [5] * context, params, None))
     with pytest.raises(SpecDecodeError, match="KV blocks"):
-        engine.add_request(ServeRequest("x", [5] * 30, SamplingParams(max_tokens=4), None))  # 9 blocks
-    engine.add_request(ServeRequest("x", [5, 6], params, None))
+        engine.add_request(EngineRequest("x", [5] * 30, SamplingParams(max_tokens=4), None))  # 9 blocks
+    engine.add_request(EngineRequest("x", [5, 6], params, None))
     with pytest.raises(SpecDecodeError, match="already in use"):
-        engine.add_request(ServeRequest("x", [5, 6], params, None))
+        engine.add_request(EngineRequest("x", [5, 6], params, None))
     engine.abort("x")
     engine.abort("unknown")
     assert not engine.has_unfinished() and engine.stats.kv_blocks_used == 0
@@ -438,9 +438,9 @@ def test_bad_requests_and_settings(setup) -> None:
         ({"latency_curve": ((0, 1.0),)}, "latency_curve"),
     ]:
         with pytest.raises(SpecDecodeError, match=words):
-            ServingConfig(**kwargs)
+            EngineConfig(**kwargs)
     with pytest.raises(SpecDecodeError, match="kv_cache_memory"):
-        ServingEngine(llm, ServingConfig(kv_cache_memory=10, policy=False))
+        llm.new_engine(EngineConfig(kv_cache_memory=10, policy=False))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -501,9 +501,9 @@ def test_smollm2_batch_equals_solo() -> None:
     specs: list[dict | None] = [None, {"method": "prompt_lookup"}] * 2
     ps = [llm.tokenizer.encode(t, add_special_tokens=True) for t in texts]
     expected = {str(i): alone(llm, p, params, s) for i, (p, s) in enumerate(zip(ps, specs, strict=True))}
-    engine = ServingEngine(llm, ServingConfig(kv_cache_memory=64 * 2**20, latency_curve=FLAT_CURVE))
+    engine = llm.new_engine(EngineConfig(kv_cache_memory=64 * 2**20, latency_curve=FLAT_CURVE))
     requests = [
-        ServeRequest(str(i), p, params, parse_speculative(s))
+        EngineRequest(str(i), p, params, parse_speculative(s))
         for i, (p, s) in enumerate(zip(ps, specs, strict=True))
     ]
     assert serve(engine, requests, per_step=2) == expected

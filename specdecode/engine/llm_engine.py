@@ -1,7 +1,12 @@
-"""The serving engine: many requests on one target model, one batched target forward per step.
+"""The engine: many requests on one target model, one batched target forward per step.
 
-    engine = ServingEngine(llm, ServingConfig(speculative=parse_speculative({"method": "prompt_lookup"})))
-    engine.add_request(ServeRequest("a", llm.tokenizer.encode("Hello"), SamplingParams(), None))
+Every entry point drives this one engine: `LLM.generate` / `stream` / `chat` (which add their
+prompts and step until they finish), the OpenAI-compatible server (through `AsyncEngine`), the
+benchmarks and training's self-distillation. A single prompt is a batch of one.
+
+    engine = LLMEngine(model, EngineConfig(), DrafterFactory(model, tokenizer, "smollm2-135m"),
+                       eos_token_ids=tokenizer.eos_token_ids)
+    engine.add_request(EngineRequest("a", tokenizer.encode("Hello"), SamplingParams(), None))
     while engine.has_unfinished():
         for delta in engine.step(): ...
 
@@ -9,8 +14,9 @@ Each `step` reads like the algorithm: schedule (who decodes, who prefills which 
 admitted or preempted) -> propose (each decoding request's drafter, within the draft budget the
 load policy grants) -> one target forward over every request's rows (decode roots, drafts, side
 tokens and prefill chunks, as segments of one row) -> verify each request with the same
-`StepPlan.finish` the single-request engine uses -> commit (append, stats, drafter observe,
-prefix-cache registration, finished requests free their blocks).
+`StepPlan.finish` -> commit (append, stats, drafter observe, prefix-cache registration, timing,
+finished requests free their blocks). Drafters hear of a cached prompt through one path
+(`_begin`), with the rows the prefill computed, as the contract in `drafters.base` says.
 
 Greedy requests emit exactly the tokens they emit alone: each request's rows attend only to its
 own cache (the attention plan's segments), and greedy tokens are the model's exact argmax.
@@ -31,16 +37,11 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.attention import AttentionPlan, Segment
-from specdecode.drafters.base import Proposal, StepResult
-from specdecode.engine import Request, RowSlice, StepPlan, step_logprobs
-from specdecode.errors import SpecDecodeError
-from specdecode.llm import LLM
-from specdecode.models.transformer import Transformer
-from specdecode.outputs import SpecStats
-from specdecode.sampling import SamplingParams, TokenLogprobs
-from specdecode.serving.config import ServingConfig
-from specdecode.serving.paged_cache import PagedCache, PagedKVStorage
-from specdecode.serving.policy import (
+from specdecode.drafters.base import Drafter
+from specdecode.engine.config import EngineConfig
+from specdecode.engine.drafter_factory import DrafterFactory
+from specdecode.engine.paged_cache import PagedCache, PagedKVStorage
+from specdecode.engine.policy import (
     EMA,
     FORGET,
     Candidate,
@@ -49,17 +50,22 @@ from specdecode.serving.policy import (
     accept_rates,
     method_rates,
 )
-from specdecode.serving.scheduler import Scheduler, Sequence
+from specdecode.engine.scheduler import Scheduler, Sequence
+from specdecode.errors import SpecDecodeError
+from specdecode.models.transformer import Transformer
+from specdecode.outputs import SpecStats, Timing
+from specdecode.request import Proposal, Request, RowSlice, StepPlan, StepResult, step_logprobs
+from specdecode.sampling import SamplingParams, TokenLogprobs
 from specdecode.spec_config import DraftModelConfig, LookaheadConfig, PromptLookupConfig, SpecConfig
 from specdecode.tree import DraftTree
 
-__all__ = ["EngineStats", "RequestDelta", "ServeRequest", "ServingConfig", "ServingEngine"]
+__all__ = ["EngineConfig", "EngineRequest", "EngineStats", "LLMEngine", "RequestDelta"]
 
 
 @dataclass
-class ServeRequest:
+class EngineRequest:
     """One generation to serve. `speculative` is already parsed (`parse_speculative`); None = plain.
-    A caller whose user did not choose passes the engine's default, `ServingConfig.speculative`."""
+    A caller whose user did not choose passes the engine's default, `EngineConfig.speculative`."""
 
     request_id: str
     prompt_ids: list[int]
@@ -80,6 +86,7 @@ class RequestDelta:
     num_cached_prompt_tokens: int  # prompt tokens served from reused KV blocks
     stats: SpecStats  # cumulative for the request
     logprobs: list[TokenLogprobs] | None = None  # one per new token when the request asked
+    timing: Timing | None = None  # the request's timing so far (a copy)
 
 
 @dataclass
@@ -119,15 +126,24 @@ class EngineStats:
             accepted[d] += d < num_accepted
 
 
-class ServingEngine:
-    """Serves requests on `llm`'s target model with in-flight batching, a paged KV cache with
-    prefix reuse and per-request speculation under the load policy. Not thread-safe: one thread
-    calls `add_request`, `abort` and `step` (the server's `AsyncEngine` does)."""
+class LLMEngine:
+    """Runs requests on `model` with in-flight batching, a paged KV cache with prefix reuse and
+    per-request speculation (under the load policy when `config.policy`). `drafters` builds each
+    request's drafter (None: a factory without tokenizer or shipped heads); `eos_token_ids` end
+    every request that does not ignore them. Not thread-safe: one thread calls `add_request`,
+    `abort` and `step` (the server's `AsyncEngine` does)."""
 
-    def __init__(self, llm: LLM, config: ServingConfig) -> None:
-        self.llm = llm
-        self.model = llm.model
-        self.config = config
+    def __init__(
+        self,
+        model: Transformer,
+        config: EngineConfig | None = None,
+        drafters: DrafterFactory | None = None,
+        eos_token_ids: SequenceOf[int] = (),
+    ) -> None:
+        self.model = model
+        self.config = config = config or EngineConfig()
+        self.drafters = drafters or DrafterFactory(model)
+        self.eos_token_ids = list(eos_token_ids)
         self.device = self.model.device
         self.draft_storages: dict[Transformer, PagedKVStorage] = {}  # made at first use
         num_blocks = self._num_blocks()
@@ -156,7 +172,7 @@ class ServingEngine:
         per_block = PagedKVStorage.block_bytes(self.model.config, cfg.block_size, self.model.dtype)
         spec = cfg.speculative
         if isinstance(spec, DraftModelConfig | PromptLookupConfig) and spec.draft_model is not None:
-            draft = self.llm.draft_model(spec.draft_model, spec.draft_dtype)
+            draft = self.drafters.draft_model(spec.draft_model, spec.draft_dtype)
             per_block += PagedKVStorage.block_bytes(draft.config, cfg.block_size, draft.dtype)
         if cfg.kv_cache_memory is not None:
             num = cfg.kv_cache_memory // per_block
@@ -172,8 +188,10 @@ class ServingEngine:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def add_request(self, req: ServeRequest) -> None:
-        """Queue a request after checking it; bad input raises `SpecDecodeError` naming the field."""
+    def add_request(self, req: EngineRequest, drafter: Drafter | None = None) -> Sequence:
+        """Queue a request after checking it; bad input raises `SpecDecodeError` naming the field.
+        `drafter` is one the caller built itself (tests, experiments) instead of the factory's
+        for `req.speculative`. Returns the engine's record of the request."""
         if req.request_id in self.sequences:
             raise SpecDecodeError(f"request_id {req.request_id!r} is already in use")
         if not isinstance(req.prompt_ids, list) or not all(isinstance(t, int) for t in req.prompt_ids):
@@ -182,13 +200,14 @@ class ServingEngine:
         default = self.config.speculative
         if isinstance(spec, LookaheadConfig) and isinstance(default, LookaheadConfig):
             spec.check_within(default)
-        drafter = self.llm._drafter(spec, self._draft_cache)
+        if drafter is None:
+            drafter = self.drafters.build(spec, self._draft_cache)
         request = Request(
             self.model,
             req.prompt_ids,
             req.params,
-            self.llm.tokenizer.eos_token_ids,
-            drafter,
+            self.eos_token_ids,
+            drafter.max_nodes if drafter is not None else 0,
             new_cache=lambda max_len: PagedCache(self.storage, max_len),
         )
         need = -(-request.max_len // self.config.block_size)
@@ -198,14 +217,15 @@ class ServingEngine:
                 f"{self.pool.num_blocks}; "
                 "raise kv_cache_memory or lower max_tokens"
             )
-        method = "none" if spec is None or drafter is None else spec.method
+        method = "none" if drafter is None else spec.method if spec is not None else type(drafter).__name__
         arrival = req.arrival_time if req.arrival_time is not None else time.perf_counter()
-        seq = Sequence(req.request_id, request, method, arrival)
+        seq = Sequence(req.request_id, request, drafter, method, arrival)
         self.sequences[req.request_id] = seq
         self.scheduler.add(seq)
         self.stats.num_requests += 1
         self.stats.num_prompt_tokens += len(req.prompt_ids)
         self._update_gauges()
+        return seq
 
     def _draft_cache(self, draft: Transformer, max_len: int) -> PagedCache:
         """A request's KV cache for `draft`, over that draft model's block storage."""
@@ -217,13 +237,18 @@ class ServingEngine:
             self.draft_storages[draft] = storage
         return PagedCache(storage, min(max_len, draft.config.max_position_embeddings))
 
-    def abort(self, request_id: str) -> None:
-        """Drop a request and free its blocks now (no delta is emitted for it); unknown ids are ignored."""
+    def abort(self, request_id: str, finished: bool = False) -> None:
+        """Drop a request and free its blocks now (no delta is emitted for it); unknown ids are
+        ignored. `finished`: the caller ended it on purpose (its text met a stop string), so it
+        counts as finished, not aborted."""
         seq = self.sequences.pop(request_id, None)
         if seq is None:
             return
         self.scheduler.remove(seq)
-        self.stats.num_aborted += 1
+        if finished:
+            self.stats.num_finished += 1
+        else:
+            self.stats.num_aborted += 1
         self._update_gauges()
 
     def has_unfinished(self) -> bool:
@@ -254,16 +279,16 @@ class ServingEngine:
             k = min(k, budget - 1)
             req = seq.req
             if not seq.started:  # its whole prompt came from the prefix cache
-                self._begin(seq, None)
+                self._begin(seq)
             proposal = None
-            if k > 0 and req.drafter is not None:
+            if k > 0 and seq.drafter is not None:
                 tp = time.perf_counter()
-                proposal = trim(req.drafter.propose(req), k)
+                proposal = trim(seq.drafter.propose(req), k)
                 spent = time.perf_counter() - tp
                 draft_seconds += spent
                 seq.draft_cost += EMA * (spent / k - seq.draft_cost)
                 seq.idle_steps = 0
-            elif req.drafter is not None:
+            elif seq.drafter is not None:
                 # Not measured this step: let the estimate fade, so that one slow `propose` (a
                 # pause, a first-call index build) cannot keep a request from drafting for good.
                 seq.draft_cost *= 1 - EMA
@@ -366,13 +391,17 @@ class ServingEngine:
         for i, (seq, plan, seg) in enumerate(plans):
             req = seq.req
             rows = hidden[offsets[i] : offsets[i] + plan.length]  # (T_i, C)
-            emitted, result = plan.finish(self.model, req, seg.start, rows, screened.get(i))
+            verifier = seq.drafter.sampling_verifier if seq.drafter is not None else None
+            emitted, result = plan.finish(self.model, req, seg.start, rows, screened.get(i), verifier)
             tokens = req.commit(emitted, result, step_logprobs(self.model, req, rows, emitted, result))
+            finished = req.finish_reason is not None
             if result is not None:
                 accepted = min(result.verdict.num_draft_accepted, len(tokens))
                 self.stats.record_draft(seq.method, result, accepted)
+                if not finished:
+                    seq.drafter.observe(req, result)  # type: ignore[union-attr]
             self.stats.num_generated_tokens += len(tokens)
-            finished = req.finish_reason is not None
+            seq.record_tokens(time.perf_counter())
             if finished:
                 self._finish(seq)
             elif self.config.prefix_caching:
@@ -387,21 +416,34 @@ class ServingEngine:
                     seq.num_cached_prompt_tokens,
                     _snapshot(req.stats),
                     None if req.logprobs is None else req.logprobs[len(req.logprobs) - len(tokens) :],
+                    dataclasses.replace(req.timing),
                 )
             )
         for seq, seg in chunks:
             if self.config.prefix_caching:
                 seq.cache.register_full_blocks(seq.req.all_ids)
+            if not seq.started and seq.drafter is not None:
+                seq.prompt_rows.append((seg.start, hidden[at : at + seg.length]))
             if not seq.prefilling and not seq.started:
-                self._begin(seq, hidden[at : at + seg.length])
+                self._begin(seq)
             at += seg.length
         return deltas
 
-    def _begin(self, seq: Sequence, prompt_hidden: torch.Tensor | None) -> None:
-        """Tell the drafter the prompt is cached; `prompt_hidden` (P', C) ends with the last
-        prompt row before the root (None when the prompt came whole from the prefix cache)."""
-        if seq.req.drafter is not None:
-            seq.req.drafter.begin(seq.req, prompt_hidden)
+    def _begin(self, seq: Sequence) -> None:
+        """The one place a drafter hears that its prompt is cached (`Drafter.begin`'s contract):
+        with the rows this admission's prefill computed, from the first position it computed."""
+        req = seq.req
+        seq.req.timing.prefill_s = time.perf_counter() - seq.arrival_time
+        if seq.drafter is not None:
+            rows = [r for _, r in seq.prompt_rows]
+            start = seq.prompt_rows[0][0] if rows else len(req.prompt_ids) - 1
+            empty = torch.empty(0, self.model.config.hidden_size, dtype=self.model.dtype, device=self.device)
+            prompt_hidden = torch.cat(rows) if rows else empty  # (P-1-start, C)
+            assert start + prompt_hidden.shape[0] == len(req.prompt_ids) - 1, (
+                "prefill rows are not contiguous"
+            )
+            seq.drafter.begin(req, prompt_hidden, start)
+        seq.prompt_rows = []
         seq.started = True
 
     def _finish(self, seq: Sequence) -> None:

@@ -14,7 +14,7 @@ def _positive(name: str, value: object) -> None:
 
 
 @dataclass(frozen=True)
-class ServingConfig:
+class EngineConfig:
     """How the serving engine batches, caches and speculates.
 
     `kv_cache_memory`: bytes for the target's KV blocks; None = `kv_cache_fraction` of the memory

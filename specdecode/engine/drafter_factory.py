@@ -1,0 +1,196 @@
+"""Drafters built below the API: a registry from method name to builder, and one cached loader.
+
+The engine asks `DrafterFactory.build(spec)` for a fresh drafter per request (drafters keep
+per-request state). What drafters share across requests (a draft model's weights, trained heads)
+is loaded once, checked against the target, and kept by `load`:
+
+    factory = DrafterFactory(target, tokenizer, model_name="smollm2-135m")
+    drafter = factory.build(parse_speculative({"method": "eagle2"}))   # a fresh EagleDrafter
+
+A method is added by writing its drafter module and registering one builder here (`@builder`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdecode.drafters import eagle, medusa, redrafter
+from specdecode.drafters.base import Drafter
+from specdecode.drafters.draft_model import (
+    DraftCacheFactory,
+    DraftModelDrafter,
+    check_vocabularies,
+    static_cache,
+)
+from specdecode.drafters.lookahead import LookaheadDrafter
+from specdecode.drafters.lookup_branch import LookupBranch
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter
+from specdecode.errors import SpecDecodeError
+from specdecode.models import cpu_gemm
+from specdecode.models.config import ModelConfig
+from specdecode.models.loader import resolve_dtype, resolve_model
+from specdecode.models.tokenizer import Tokenizer
+from specdecode.models.transformer import Transformer
+from specdecode.spec_config import (
+    DraftModelConfig,
+    Eagle2Config,
+    EagleConfig,
+    LookaheadConfig,
+    LookupBranchOptions,
+    MedusaConfig,
+    PromptLookupConfig,
+    ReDrafterConfig,
+    SpecConfig,
+)
+
+# (factory, the method's settings, the draft model's KV cache maker) -> a drafter, or None when
+# the settings mean plain decoding (lookahead with W = 0).
+Builder = Callable[["DrafterFactory", Any, DraftCacheFactory], Drafter | None]
+BUILDERS: dict[str, Builder] = {}
+
+
+def builder(*methods: str) -> Callable[[Builder], Builder]:
+    """Register a builder for `methods` (their `SpecConfig.method` names)."""
+
+    def register(fn: Builder) -> Builder:
+        for method in methods:
+            BUILDERS[method] = fn
+        return fn
+
+    return register
+
+
+# Trained heads: where the shipped ones are, how to load and check them, what to call them in errors.
+HEAD_KINDS: dict[str, tuple[Callable[[str], Path], Callable[..., Any], Callable[..., None], str]] = {
+    "medusa": (medusa.shipped_heads, medusa.load_heads, medusa.check_fits, "Medusa heads"),
+    "redrafter": (redrafter.shipped_head, redrafter.load_head, redrafter.check_fits, "ReDrafter"),
+    "eagle": (eagle.shipped_head, eagle.load_head, eagle.check_fits, "the EAGLE head"),
+}
+
+
+class DrafterFactory:
+    """Builds drafters for requests on `target`; loads draft models and heads once each.
+
+    `model_name` is the name the target was loaded by (it finds the heads shipped for it);
+    `tokenizer` checks that a draft model shares the target's vocabulary."""
+
+    def __init__(
+        self,
+        target: Transformer,
+        tokenizer: Tokenizer | None = None,
+        model_name: str | None = None,
+        progress: bool = True,
+    ) -> None:
+        self.target = target
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.progress = progress
+        self._loaded: dict[tuple[str, str, torch.dtype], Any] = {}
+
+    def build(self, spec: SpecConfig | None, draft_cache: DraftCacheFactory | None = None) -> Drafter | None:
+        """A fresh drafter for one request (None: plain decoding). `draft_cache` makes a draft
+        model's KV cache (None: a static one; the engine passes paged ones)."""
+        if spec is None:
+            return None
+        drafter = BUILDERS[spec.method](self, spec, draft_cache or static_cache)
+        if isinstance(spec, LookupBranchOptions) and spec.prompt_lookup_num_tokens > 0:
+            assert drafter is not None
+            return LookupBranch(drafter, spec.prompt_lookup_num_tokens, spec.max_matching_ngram_size)
+        return drafter
+
+    def load(self, kind: str, where: str, dtype: torch.dtype, make: Callable[[], Any]) -> Any:
+        """The one cache of what drafters load: `make()` runs once per (kind, where, dtype)."""
+        key = (kind, where, dtype)
+        if key not in self._loaded:
+            self._loaded[key] = make()
+        return self._loaded[key]
+
+    def draft_model(self, name: str, dtype: str = "auto") -> Transformer:
+        """The draft model `name` in `dtype` (see `DraftModelConfig.draft_dtype`), loaded once and
+        checked to share the target's vocabulary."""
+        if dtype == "auto":
+            cpu_bf16 = self.target.device.type == "cpu" and cpu_gemm.kernel_bf16() is not None
+            use = torch.bfloat16 if self.target.dtype == torch.float32 and cpu_bf16 else self.target.dtype
+        else:
+            use = resolve_dtype(dtype)
+
+        def make() -> Transformer:
+            path = resolve_model(name, progress=self.progress)
+            if self.tokenizer is None:
+                raise SpecDecodeError("a draft model needs the target's tokenizer to check its vocabulary")
+            check_vocabularies(
+                self.tokenizer,
+                Tokenizer.from_dir(path),
+                self.model_name or "the target",
+                name,
+                self.target.config.vocab_size,
+                ModelConfig.from_dir(path).vocab_size,
+            )
+            return Transformer.from_dir(path, use, self.target.device)
+
+        return self.load("draft_model", name, use, make)
+
+    def head(self, kind: str, path: str | None) -> Any:
+        """Trained heads of `kind` ("medusa", "redrafter", "eagle") from `path` (None: those
+        shipped for the target), loaded once and checked to fit the target."""
+        shipped, load, check_fits, label = HEAD_KINDS[kind]
+        if path is None:
+            if self.model_name is None:
+                raise SpecDecodeError(f"{label}: no path given and the target has no shipped heads")
+            where = str(shipped(self.model_name))
+        else:
+            where = str(Path(path).expanduser().resolve())
+        target = self.target
+
+        def make() -> Any:
+            heads = load(where, target.dtype, target.device)
+            check_fits(heads, target, f"{label} {where}")
+            return heads
+
+        return self.load(kind, where, target.dtype, make)
+
+
+@builder("draft_model")
+def _draft_model(f: DrafterFactory, spec: DraftModelConfig, cache: DraftCacheFactory) -> Drafter:
+    draft = f.draft_model(spec.draft_model, spec.draft_dtype)
+    return DraftModelDrafter(spec, draft, f.target.config.vocab_size, cache)
+
+
+@builder("prompt_lookup")
+def _prompt_lookup(f: DrafterFactory, spec: PromptLookupConfig, cache: DraftCacheFactory) -> Drafter:
+    fallback = None
+    if spec.draft_model is not None:
+        draft = f.draft_model(spec.draft_model, spec.draft_dtype)
+        fallback = DraftModelDrafter(spec, draft, f.target.config.vocab_size, cache)
+    return PromptLookupDrafter(spec, fallback)
+
+
+@builder("lookahead")
+def _lookahead(f: DrafterFactory, spec: LookaheadConfig, cache: DraftCacheFactory) -> Drafter | None:
+    return None if spec.is_plain else LookaheadDrafter(spec)
+
+
+@builder("medusa")
+def _medusa(f: DrafterFactory, spec: MedusaConfig, cache: DraftCacheFactory) -> Drafter:
+    return medusa.MedusaDrafter(f.head("medusa", spec.heads), f.target, spec.medusa_choices, spec.typical)
+
+
+@builder("redrafter")
+def _redrafter(f: DrafterFactory, spec: ReDrafterConfig, cache: DraftCacheFactory) -> Drafter:
+    head = f.head("redrafter", spec.head)
+    return redrafter.ReDrafter(head, f.target, spec.beam_width, spec.beam_length)
+
+
+@builder("eagle")
+def _eagle(f: DrafterFactory, spec: EagleConfig, cache: DraftCacheFactory) -> Drafter:
+    return eagle.EagleDrafter.static(f.head("eagle", spec.head), f.target, spec.eagle_choices)
+
+
+@builder("eagle2")
+def _eagle2(f: DrafterFactory, spec: Eagle2Config, cache: DraftCacheFactory) -> Drafter:
+    head = f.head("eagle", spec.head)
+    return eagle.EagleDrafter.dynamic(head, f.target, spec.depth, spec.top_k, spec.total_tokens)
