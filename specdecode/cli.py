@@ -332,6 +332,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_serve_args(bench_srv)
     bench_srv.set_defaults(func=_main_of("specdecode.bench.serve"))
 
+    bench_off = sub.add_parser(
+        "bench-offline", help="LLM.generate throughput: many prompts in one call vs one call each"
+    )
+    add_model_args(bench_off)
+    from specdecode.bench.offline import add_args as add_bench_offline_args
+
+    add_bench_offline_args(bench_off)
+    bench_off.set_defaults(func=_main_of("specdecode.bench.offline"))
+
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (in-flight batching, speculation)")
     add_model_args(srv)
     srv.add_argument(

@@ -519,3 +519,85 @@ def test_latency_curve_measures_a_model_whose_context_is_shorter_than_the_batch(
     curve = LatencyCurve.measure(model, max_tokens=512)
     assert curve.tokens[-1] <= model.config.max_position_embeddings // 2
     assert curve(512) >= curve(curve.tokens[-1]) > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# The offline facade on the engine
+
+
+def test_llm_generate_batches_mixed_methods_like_each_prompt_alone(setup) -> None:
+    """`LLM.generate` over 32 prompts at once, a speculative method per prompt, gives every greedy
+    prompt exactly the tokens it gets alone, in input order; sampled prompts keep their seeds."""
+    llm, methods = setup
+    ps = prompts(32, seed=7)
+    specs = [methods[i % len(methods)] for i in range(32)]
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True) for _ in range(30)]
+    params += [SamplingParams(max_tokens=16, temperature=0.8, seed=s, ignore_eos=True) for s in (3, 4)]
+    expected = [alone(llm, p, sp, s) for p, sp, s in zip(ps, params, specs, strict=True)]
+    outs = llm.generate(ps, params, speculative=specs)
+    assert [o.token_ids for o in outs] == expected
+    assert [o.prompt_token_ids for o in outs] == ps
+    assert llm.engine.stats.num_running == 0 and llm.engine.stats.kv_blocks_used == 0
+    # Every output has its own timing from the engine.
+    assert all(o.timing.first_token_s > 0 and o.timing.total_s >= o.timing.first_token_s for o in outs)
+
+
+def test_llm_generate_arguments(setup) -> None:
+    llm, methods = setup
+    ps = prompts(3, seed=8)
+    with pytest.raises(SpecDecodeError, match="params has 2 entries for 3 prompts"):
+        llm.generate(ps, [SamplingParams(max_tokens=2)] * 2)
+    with pytest.raises(SpecDecodeError, match="speculative has 1 entries for 3 prompts"):
+        llm.generate(ps, SamplingParams(max_tokens=2), speculative=[None])
+    with pytest.raises(SpecDecodeError):  # a bad prompt among good ones: none of them runs
+        llm.generate([ps[0], [10**9]], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished()
+    # A stream left half-read gives its blocks back.
+    stream = llm.stream(ps[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    next(stream)
+    stream.close()
+    assert not llm.engine.has_unfinished() and llm.engine.stats.kv_blocks_used == 0
+    # Two streams read in turn each get their own text.
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    a, b = llm.stream(ps[1], params), llm.stream(ps[2], params, speculative=methods[1])
+    texts, live = ["", ""], [a, b]
+    while live:
+        for i, stream in enumerate([a, b]):
+            if stream in live:
+                piece = next(stream, None)
+                if piece is None:
+                    live.remove(stream)
+                else:
+                    texts[i] += piece
+    assert texts == [o.text for o in llm.generate([ps[1], ps[2]], params, speculative=[None, methods[1]])]
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("method", ["eagle2", "redrafter"])
+def test_trained_drafters_in_the_engine_match_their_solo_run(method: str) -> None:
+    """EAGLE-2 and ReDrafter learn from the prompt's features. Served with a prompt longer than
+    the forward's rows (prefilled in chunks) and with a prompt whose prefix comes from reused KV
+    blocks, each reaches the tokens it reaches alone, at a τ within 5% of its solo run."""
+    spec = {"method": method, "prompt_lookup_num_tokens": 0}  # the heads alone
+    llm = LLM(model="smollm2-135m", progress=False)
+    article = " ".join(f"Fact {i}: the {w} river flows north." for i, w in enumerate(["red", "blue"] * 30))
+    long_prompt = llm.chat_prompt([{"role": "user", "content": f"{article}\n\nSummarize the facts."}])
+    shared = llm.chat_prompt([{"role": "user", "content": f"{article}\n\nWhich river is blue?"}])
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    solo = {
+        name: llm.generate([p], params, speculative=spec)[0]
+        for name, p in (("long", long_prompt), ("shared", shared))
+    }
+    engine = llm.new_engine(EngineConfig(max_batch_tokens=64, kv_cache_memory=256 * 2**20, policy=False))
+    assert len(long_prompt) > 64
+    served = {}
+    for name, p in (("long", long_prompt), ("shared", shared)):
+        seq = engine.add_request(EngineRequest(name, p, params, parse_speculative(spec)))
+        while engine.has_unfinished():
+            engine.step()
+        served[name] = seq
+    assert served["shared"].num_cached_prompt_tokens > 0  # the article's blocks were reused
+    for name, seq in served.items():
+        assert seq.req.output_ids == solo[name].token_ids, name
+        tau, tau_solo = seq.req.stats.mean_accepted_length, solo[name].stats.mean_accepted_length
+        assert abs(tau - tau_solo) <= 0.05 * tau_solo, (name, tau, tau_solo)

@@ -364,6 +364,12 @@ def test_openai_client_raises_on_bad_input(client: openai.OpenAI) -> None:
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
 
 
+def value(text: str, name: str) -> float:
+    """The value of the metric line `name` (with its labels) in a /metrics text."""
+    line = next(x for x in text.splitlines() if x.startswith(name + " "))
+    return float(line.split()[1])
+
+
 def test_models_health_metrics_and_unknown_path(scripted, client: openai.OpenAI) -> None:
     url = scripted[0]
     assert [m.id for m in client.models.list().data] == [MODEL]
@@ -371,10 +377,6 @@ def test_models_health_metrics_and_unknown_path(scripted, client: openai.OpenAI)
     before = httpx.get(url + "/metrics").text
     client.completions.create(model=MODEL, prompt="ab", max_tokens=4)
     after = httpx.get(url + "/metrics").text
-
-    def value(text: str, name: str) -> float:
-        line = next(x for x in text.splitlines() if x.startswith(name + " "))
-        return float(line.split()[1])
 
     assert value(after, "specdecode_requests_total") == value(before, "specdecode_requests_total") + 1
     assert (
@@ -529,6 +531,16 @@ def test_real_concurrent_n_and_metrics(real, llm: LLM) -> None:
     after = httpx.get(url + "/metrics").text
     assert 'specdecode_draft_tokens_proposed_total{method="prompt_lookup"}' in after
     assert after != metrics_before
+    # Every request's first token and decode speed were timed by the engine.
+    count = value(after, "specdecode_time_to_first_token_seconds_count")
+    assert count - value(metrics_before, "specdecode_time_to_first_token_seconds_count") == 2 * len(jobs)
+    assert value(after, 'specdecode_time_to_first_token_seconds_bucket{le="+Inf"}') == count
+    assert value(after, "specdecode_time_per_output_token_seconds_sum") > 0
+    out = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).completions.create(
+        model=MODEL, prompt="the tea in", max_tokens=8, temperature=0, n=2, extra_body={"ignore_eos": True}
+    )
+    usage = out.usage.model_dump()
+    assert usage["time_to_first_token_s"] > 0 and len(usage["decode_tokens_per_s"]) == 2
 
 
 @pytest.mark.parametrize("spec", SPECS[:2], ids=["plain", "prompt_lookup"])

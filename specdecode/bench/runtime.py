@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.bench.timing import median_seconds
 from specdecode.llm import LLM
+from specdecode.models.latency import forward_seconds
 from specdecode.sampling import SamplingParams
 
 PROMPT = "Write a short essay about the history of the printing press and its effect on science."
@@ -59,26 +59,9 @@ def forward_latency(
     llm: LLM, widths: tuple[int, ...], context: int = 256, repeats: int = 10
 ) -> dict[int, float]:
     """Median ms of one target forward of T new tokens over `context` plus the greedy LM head on
-    every row (`greedy_tokens`, as a greedy verification step reads it)."""
-    model = llm.model
-    device = model.device
-    cache = model.new_cache(context + max(widths))
-    prefix = torch.randint(0, model.config.vocab_size, (1, context), device=device)
-    out: dict[int, float] = {}
-    with torch.inference_mode():
-        model(prefix, torch.arange(context, device=device)[None], cache)
-        for t in widths:
-            ids = torch.randint(0, model.config.vocab_size, (1, t), device=device)
-            pos = torch.arange(context, context + t, device=device)[None]
-
-            def one(ids: torch.Tensor = ids, pos: torch.Tensor = pos) -> None:
-                cache.length = context
-                model.greedy_tokens(model(ids, pos, cache)[0])
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-
-            out[t] = round(1000 * median_seconds(one, repeats, warmup=2), 2)
-    return out
+    every row, as a greedy verification step reads it."""
+    seconds = forward_seconds(llm.model, list(widths), context, repeats)
+    return {t: round(1000 * statistics.median(s), 2) for t, s in seconds.items()}
 
 
 def run(model: str, dtype: str, new_tokens: int, repeats: int, threads: int | None) -> RuntimeReport:

@@ -59,7 +59,7 @@ from specdecode.sampling import SamplingParams, TokenLogprobs
 from specdecode.spec_config import DraftModelConfig, LookaheadConfig, PromptLookupConfig, SpecConfig
 from specdecode.tree import DraftTree
 
-__all__ = ["EngineConfig", "EngineRequest", "EngineStats", "LLMEngine", "RequestDelta"]
+__all__ = ["EngineConfig", "EngineRequest", "EngineStats", "Histogram", "LLMEngine", "RequestDelta"]
 
 
 @dataclass
@@ -89,6 +89,31 @@ class RequestDelta:
     timing: Timing | None = None  # the request's timing so far (a copy)
 
 
+# Upper bounds (seconds) of the latency histograms' buckets, as Prometheus histograms count them.
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
+
+
+@dataclass
+class Histogram:
+    """Observations counted in cumulative buckets (`counts[i]`: those <= `bounds[i]`), their sum
+    and their number."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * len(self.bounds)
+
+    def observe(self, value: float) -> None:
+        self.total += value
+        self.count += 1
+        for i, bound in enumerate(self.bounds):
+            self.counts[i] += value <= bound
+
+
 @dataclass
 class EngineStats:
     """Live counters of the engine (the server's metrics)."""
@@ -110,6 +135,10 @@ class EngineStats:
     drafts_accepted: dict[str, int] = field(default_factory=dict)
     accepted_by_position: dict[str, list[int]] = field(default_factory=dict)
     proposed_by_position: dict[str, list[int]] = field(default_factory=dict)  # steps offering position i
+    # Seconds from a request's arrival to its first token, and per output token after the first
+    # (each finished request's decode time / its tokens after the first).
+    time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    time_per_output_token: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))
 
     def record_draft(self, method: str, result: StepResult, num_accepted: int) -> None:
         """Count one speculative step of a request using `method`."""
@@ -401,8 +430,14 @@ class LLMEngine:
                 if not finished:
                     seq.drafter.observe(req, result)  # type: ignore[union-attr]
             self.stats.num_generated_tokens += len(tokens)
+            first = not req.timing.first_token_s
             seq.record_tokens(time.perf_counter())
+            if first:
+                self.stats.time_to_first_token.observe(req.timing.first_token_s)
             if finished:
+                if req.timing.num_tokens > 1:
+                    span = req.timing.total_s - req.timing.first_token_s
+                    self.stats.time_per_output_token.observe(span / (req.timing.num_tokens - 1))
                 self._finish(seq)
             elif self.config.prefix_caching:
                 seq.cache.register_full_blocks(req.all_ids)

@@ -31,12 +31,11 @@ every request takes a plain step (its drafter is not even asked).
 from __future__ import annotations
 
 import bisect
-import time
 from dataclasses import dataclass
 
 import torch
 
-from specdecode.attention import AttentionPlan, Segment
+from specdecode.models.latency import forward_seconds
 from specdecode.models.transformer import Transformer
 
 PRIOR_STRENGTH = 4.0  # pseudo-steps a request's own acceptance counts are shrunk with
@@ -71,22 +70,8 @@ class LatencyCurve:
         max_tokens = max(1, min(max_tokens, model.config.max_position_embeddings // 2))
         sizes = sorted({min(2**i, max_tokens) for i in range(max_tokens.bit_length() + 1)})
         context = max(1, min(context, model.config.max_position_embeddings - max_tokens))
-        cache = model.new_cache(context + max_tokens)
-        ids = torch.zeros(1, context + max_tokens, dtype=torch.long, device=model.device)
-        model(ids[:, :context], torch.arange(context, device=model.device)[None], cache)
-        points = []
-        for t in sizes:
-            best = float("inf")
-            for _ in range(3):
-                positions = torch.arange(context, context + t, device=model.device)[None]  # (1, T)
-                t0 = time.perf_counter()
-                hidden = model.forward_plan(ids[:, :t], positions, AttentionPlan([Segment.append(cache, t)]))
-                model.greedy_rows(hidden[0])  # the LM head's screening pass over every row
-                if model.device.type == "cuda":
-                    torch.cuda.synchronize()
-                best = min(best, time.perf_counter() - t0)
-                cache.truncate(context)
-            points.append((t, best))
+        seconds = forward_seconds(model, sizes, context, repeats=2)
+        points = [(t, min(seconds[t])) for t in sizes]
         # A forward over more rows never takes less time: a point above a later one was slowed
         # by something else on the machine, so each keeps the least of itself and those after it.
         for i in range(len(points) - 2, -1, -1):

@@ -129,7 +129,9 @@ class Scheduler:
             seq = self.waiting[0]
             ids = seq.req.all_ids[: seq.target_len]
             blocks, last_hash = self.pool.match_prefix(ids) if self.prefix_caching else ([], 0)
-            total = -(-(seq.target_len + seq.max_step) // bs)
+            # Its widest step, but never past its own room (a step near the end of the context
+            # is cut to what the cache holds), which `add_request` checked the pool can hold.
+            total = -(-min(seq.target_len + seq.max_step, seq.req.max_len) // bs)
             need = total - len(blocks) + self.pool.num_free_among(blocks)
             if need > free:
                 break

@@ -10,7 +10,7 @@ go up and down. Speculation figures carry a `method` label, and per-position acc
 
 from __future__ import annotations
 
-from specdecode.engine.llm_engine import EngineStats
+from specdecode.engine.llm_engine import EngineStats, Histogram
 
 Sample = tuple[dict[str, str], float]
 
@@ -37,6 +37,14 @@ def _by_position(counts: dict[str, list[int]]) -> list[Sample]:
         for method, per_position in sorted(counts.items())
         for k, n in enumerate(per_position)
     ]
+
+
+def _histogram(name: str, help_text: str, h: Histogram) -> list[str]:
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+    for bound, n in zip(h.bounds, h.counts, strict=True):
+        lines.append(f'{name}_bucket{{le="{bound:g}"}} {n}')
+    lines += [f'{name}_bucket{{le="+Inf"}} {h.count}', f"{name}_sum {h.total:g}", f"{name}_count {h.count}"]
+    return lines
 
 
 def render(stats: EngineStats) -> str:
@@ -107,5 +115,15 @@ def render(stats: EngineStats) -> str:
         "counter",
         "Steps that accepted a draft token at this depth, per method.",
         _by_position(stats.accepted_by_position),
+    )
+    lines += _histogram(
+        "specdecode_time_to_first_token_seconds",
+        "Seconds from a request's arrival to its first token.",
+        stats.time_to_first_token,
+    )
+    lines += _histogram(
+        "specdecode_time_per_output_token_seconds",
+        "Seconds per output token after the first, per finished request.",
+        stats.time_per_output_token,
     )
     return "\n".join(lines) + "\n"

@@ -11,8 +11,9 @@ so its KV blocks are freed at once.
 Extensions to the OpenAI request: `speculative` (the Python API's dictionary; null = plain
 decoding; absent = the server's default), `top_k`, `ignore_eos`. Extensions to `usage`:
 `num_draft_tokens`, `num_accepted_tokens`, `mean_accepted_length` (τ, tokens per target
-forward) and `cached_prompt_tokens` (prompt tokens served from reused KV blocks, also given as
-`prompt_tokens_details.cached_tokens`).
+forward), `cached_prompt_tokens` (prompt tokens served from reused KV blocks, also given as
+`prompt_tokens_details.cached_tokens`), `time_to_first_token_s` (the engine's, from the arrival
+of the request to its first token) and `decode_tokens_per_s` (one figure per choice).
 """
 
 from __future__ import annotations
@@ -256,6 +257,7 @@ def usage(choices: list[Choice]) -> dict[str, Any]:
     stats = [c.last.stats for c in choices if c.last is not None]
     forwards = sum(s.num_target_forwards for s in stats)
     tau = sum(s.num_generated_tokens for s in stats) / forwards if forwards else 0.0
+    timings = [c.last.timing for c in choices if c.last is not None and c.last.timing is not None]
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
@@ -265,6 +267,9 @@ def usage(choices: list[Choice]) -> dict[str, Any]:
         "num_draft_tokens": sum(s.num_draft_tokens for s in stats),
         "num_accepted_tokens": sum(s.num_accepted_tokens for s in stats),
         "mean_accepted_length": round(tau, 4),
+        # The engine's timing: the first choice's first token, and each choice's decode speed.
+        "time_to_first_token_s": round(min((t.first_token_s for t in timings), default=0.0), 4),
+        "decode_tokens_per_s": [round(t.decode_tokens_per_s, 2) for t in timings],
     }
 
 
