@@ -103,6 +103,9 @@ class Request:
             self.generator = torch.Generator(device=model.device).manual_seed(params.seed)
         self.stats = SpecStats()
         self.timing = Timing()
+        # (L-1, C) the target's hidden state of every position but the last, when the engine was
+        # asked to keep them (`EngineRequest.return_hidden`) and the request finished.
+        self.hidden_states: torch.Tensor | None = None
         self.finish_reason: str | None = None
 
     @property

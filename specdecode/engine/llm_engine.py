@@ -72,6 +72,10 @@ class EngineRequest:
     params: SamplingParams
     speculative: SpecConfig | None
     arrival_time: float | None = None
+    # Keep the target's hidden state (after the final norm) of every decided position: the
+    # request's `hidden_states` (L-1, C) when it finishes, for training data. Such a request
+    # computes its whole prompt (no prefix-cache reuse), so every row is there.
+    return_hidden: bool = False
 
 
 @dataclass
@@ -248,7 +252,7 @@ class LLMEngine:
             )
         method = "none" if drafter is None else spec.method if spec is not None else type(drafter).__name__
         arrival = req.arrival_time if req.arrival_time is not None else time.perf_counter()
-        seq = Sequence(req.request_id, request, drafter, method, arrival)
+        seq = Sequence(req.request_id, request, drafter, method, arrival, return_hidden=req.return_hidden)
         self.sequences[req.request_id] = seq
         self.scheduler.add(seq)
         self.stats.num_requests += 1
@@ -424,6 +428,8 @@ class LLMEngine:
             emitted, result = plan.finish(self.model, req, seg.start, rows, screened.get(i), verifier)
             tokens = req.commit(emitted, result, step_logprobs(self.model, req, rows, emitted, result))
             finished = req.finish_reason is not None
+            if seq.return_hidden:  # the root's row, then the accepted path's
+                seq.keep_hidden(rows[:1] if result is None else rows[result.verdict.kept_indices])
             if result is not None:
                 accepted = min(result.verdict.num_draft_accepted, len(tokens))
                 self.stats.record_draft(seq.method, result, accepted)
@@ -435,6 +441,8 @@ class LLMEngine:
             if first:
                 self.stats.time_to_first_token.observe(req.timing.first_token_s)
             if finished:
+                if seq.return_hidden:
+                    req.hidden_states = seq.kept_hidden(len(req.all_ids) - 1)
                 if req.timing.num_tokens > 1:
                     span = req.timing.total_s - req.timing.first_token_s
                     self.stats.time_per_output_token.observe(span / (req.timing.num_tokens - 1))
@@ -459,6 +467,8 @@ class LLMEngine:
                 seq.cache.register_full_blocks(seq.req.all_ids)
             if not seq.started and seq.drafter is not None:
                 seq.prompt_rows.append((seg.start, hidden[at : at + seg.length]))
+            if seq.return_hidden:
+                seq.keep_hidden(hidden[at : at + seg.length])
             if not seq.prefilling and not seq.started:
                 self._begin(seq)
             at += seg.length

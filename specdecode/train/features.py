@@ -2,15 +2,10 @@
 
 Every drafter we train learns from token sequences and the target's hidden state at each
 position (after the final norm: what `Transformer.forward` returns and the LM head reads).
-`extract` runs the target over many samples at once: left-padded so that every row's next token
-lands in the same cache slot, with a per-row mask that hides the padding. With `generate`, it
-then continues each prompt greedily until an end-of-sequence token or `max_len`, recording each
-new token's hidden state as it goes: self-distillation and feature extraction in one pass, a
-batch of rows per forward instead of one (`LLM.generate` decodes one request at a time, ~5x
-fewer tokens per second on a CPU), and no second pass to re-read the answers.
-
-Greedy answers from a batch can differ from one-request decoding where two logits are within
-rounding of each other (other matmul shapes); for training data that does not matter.
+`extract` runs the target over many samples at once on the engine, which keeps each position's
+hidden state. With `generate`, it continues each prompt greedily until an end-of-sequence token
+or `max_len`: self-distillation and feature extraction in one pass, the batch decoding together,
+and no second pass to re-read the answers.
 
 Hidden states are stored as float16 (half the disk and memory; the heads are trained in
 bfloat16 matmuls anyway). The cache is a directory of shards, one per batch, written
@@ -29,9 +24,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from specdecode.engine.config import EngineConfig
+from specdecode.engine.llm_engine import EngineRequest, LLMEngine
 from specdecode.errors import SpecDecodeError
 from specdecode.models.cache import atomic_file
 from specdecode.models.transformer import Transformer
+from specdecode.sampling import SamplingParams
 from specdecode.train.data import Sample
 
 
@@ -51,7 +49,6 @@ class Features:
         return sum(int(t.numel()) for t in self.ids)
 
 
-@torch.inference_mode()
 def run_batch(
     model: Transformer,
     batch: Sequence[Sample],
@@ -63,57 +60,34 @@ def run_batch(
     """(ids, mask, hidden (L-1, C)) per sample, the target's greedy answer appended if `generate`:
     up to an end-of-sequence token, `max_len` tokens in all, or `max_new` new tokens.
 
-    Row i is left-padded by pad_i slots; its token at position p sits in cache slot pad_i + p, so
-    all rows decode their next token into the same slot. Queries see real keys only (a padding
-    query sees itself, so its softmax is defined; its output is never read).
+    The samples run together on the engine, which keeps every position's hidden state
+    (`EngineRequest.return_hidden`); a sample that is not to be continued still takes one decoding
+    step (its last position's row, which no answer token follows), whose token is dropped.
     """
-    device = model.device
-    b = len(batch)
-    lengths = [len(s.ids) for s in batch]
-    width = max(lengths)
-    cap = [max_len if max_new is None else min(max_len, n + max_new) for n in lengths]  # tokens per row
-    slots = width + max(0, max(c - n for c, n in zip(cap, lengths, strict=True))) if generate else width
-    pad = torch.tensor([width - n for n in lengths], device=device)  # (B,)
-    ids = torch.zeros(b, width, dtype=torch.long, device=device)  # (B, T)
+    engine = LLMEngine(
+        model,
+        EngineConfig(max_num_seqs=len(batch), policy=False, prefix_caching=False),
+        eos_token_ids=eos_ids,
+    )
+    seqs, answers = [], []  # answers: the most answer tokens each sample may get
     for i, sample in enumerate(batch):
-        ids[i, width - lengths[i] :] = torch.tensor(sample.ids, device=device)
-    positions = (torch.arange(width, device=device)[None] - pad[:, None]).clamp(min=0)  # (B, T)
-    real = torch.arange(slots, device=device)[None] >= pad[:, None]  # (B, S) slots of real tokens
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()  # (T, T)
-    own = torch.eye(width, dtype=torch.bool, device=device)  # (T, T)
-    mask = (causal[None] & real[:, None, :width]) | own[None]  # (B, T, T)
-    cache = model.new_cache(slots, batch_size=b)
-    # The model documents a (T, S) mask; SDPA broadcasts this (B, 1, T, S) one per row as well.
-    hidden = model(ids, positions, cache, mask[:, None])  # (B, T, C)
-
-    tokens = [list(s.ids) for s in batch]
-    masks = [list(s.mask) for s in batch]
-    states: list[list[Tensor]] = [[hidden[i, width - lengths[i] :]] for i in range(b)]  # (L_i, C)
-    if generate:
-        eos = set(eos_ids)
-        live = [n < c for n, c in zip(lengths, cap, strict=True)]
-        last = hidden[:, -1]  # (B, C)
-        slot = width  # where the next token goes
-        while slot < slots and any(live):
-            chosen = model.logits(last).argmax(-1).tolist()  # B ints
-            for i, token in enumerate(chosen):
-                if live[i]:
-                    tokens[i].append(token)
-                    masks[i].append(True)
-                    live[i] = token not in eos and len(tokens[i]) < cap[i]
-            if slot + 1 >= slots or not any(live):
-                break  # the tokens just chosen are never fed: nothing would read their states
-            x = torch.tensor(chosen, device=device)[:, None]  # (B, 1)
-            step_mask = real[:, None, None, : slot + 1]  # (B, 1, 1, slot+1)
-            last = model(x, (slot - pad)[:, None], cache, step_mask)[:, 0]  # (B, C)
-            for i in range(b):
-                if live[i]:  # its token was just fed (a row ends at its end-of-sequence token)
-                    states[i].append(last[i : i + 1])
-            slot += 1
+        n = len(sample.ids)
+        cap = max_len if max_new is None else min(max_len, n + max_new)  # tokens in all
+        answers.append(cap - n if generate and n < cap else 0)
+        params = SamplingParams(max_tokens=max(answers[-1], 1), temperature=0.0, ignore_eos=not answers[-1])
+        request = EngineRequest(str(i), list(sample.ids), params, None, return_hidden=True)
+        seqs.append(engine.add_request(request))
+    while engine.has_unfinished():
+        engine.step()
     out = []
-    for i in range(b):
-        rows = torch.cat(states[i])[: len(tokens[i]) - 1]  # (L_i - 1, C)
-        out.append((tokens[i], masks[i], rows.to("cpu", torch.float16)))
+    for sample, seq, answer in zip(batch, seqs, answers, strict=True):
+        req = seq.req
+        tokens, mask = list(sample.ids), list(sample.mask)
+        if answer:
+            tokens += req.output_ids
+            mask += [True] * len(req.output_ids)
+        assert req.hidden_states is not None
+        out.append((tokens, mask, req.hidden_states[: len(tokens) - 1].to("cpu", torch.float16)))
     return out
 
 
