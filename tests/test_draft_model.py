@@ -37,7 +37,7 @@ from specdecode.request import Request
 from specdecode.sampling import SamplingParams, logits_to_probs
 from specdecode.spec_config import DraftModelConfig, PromptLookupConfig
 from specdecode.tree import DraftTree
-from tests.alone import alone
+from tests.alone import alone, together
 from tests.stats import chi_square_sf
 from tests.tiny import make_tiny_hf
 
@@ -369,17 +369,12 @@ METHODS: dict[str, Factory] = {
 def sample_outputs(
     target: Transformer, make_drafter: Callable[[], Drafter | None], n: int
 ) -> tuple[Counter[tuple[int, ...]], float]:
-    """n generations of SEQ_LEN tokens from PROMPT, each its own Request, seed and fresh drafter;
+    """n generations of SEQ_LEN tokens from PROMPT, each its own request, seed and fresh drafter;
     returns how often each output came and the mean τ (what every lossless-sampling test needs)."""
-    counts: Counter[tuple[int, ...]] = Counter()
-    forwards = 0
-    for seed in range(n):
-        params = SamplingParams(max_tokens=SEQ_LEN, seed=seed, ignore_eos=True, **PARAMS)
-        req, steps = alone(target, PROMPT, params, [], make_drafter())
-        for _ in steps:
-            pass
-        counts[tuple(req.output_ids)] += 1
-        forwards += req.stats.num_target_forwards
+    params = [SamplingParams(max_tokens=SEQ_LEN, seed=seed, ignore_eos=True, **PARAMS) for seed in range(n)]
+    reqs = together(target, PROMPT, params, make_drafter)
+    counts = Counter(tuple(req.output_ids) for req in reqs)
+    forwards = sum(req.stats.num_target_forwards for req in reqs)
     return counts, n * SEQ_LEN / forwards
 
 

@@ -54,7 +54,7 @@ def _greedy(max_tokens: int) -> SamplingParams:
 def _run(
     model: Transformer, prompt: list[int], params: SamplingParams, drafter: LookaheadDrafter | None = None
 ) -> Request:
-    req, steps = alone(model, prompt, params, eos_token_ids=[2], max_draft=drafter.max_nodes)
+    req, steps = alone(model, prompt, params, [2], drafter)
     for _ in steps:
         pass
     return req
