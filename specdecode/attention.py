@@ -13,11 +13,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specdecode.kernels import AttendRows, Kernels
 from specdecode.kv_cache import SequenceCache
-from specdecode.models import cpu_gemm
 
-# Segments of at most this many new tokens (decoding, verification) attend through the CPU
-# kernel, straight from the cache; longer ones (prefill chunks) through SDPA's blocked kernels.
+# Segments of at most this many new tokens (decoding, verification) attend through the row
+# kernel where the model's kernels have one, straight from the cache; longer ones (prefill
+# chunks) through SDPA's blocked kernels.
 KERNEL_MAX_ROWS = 64
 
 
@@ -66,7 +67,10 @@ class Segment:
 
 
 class AttentionPlan:
-    """The segments of one forward, in the order their tokens appear in the input row."""
+    """The segments of one forward, in the order their tokens appear in the input row.
+
+    The forward writes each segment's keys/values into its slots; the caches' lengths move only
+    when the runner calls `commit` after it (a forward has no side effect on bookkeeping)."""
 
     def __init__(self, segments: list[Segment]) -> None:
         self.segments = segments
@@ -82,11 +86,12 @@ class AttentionPlan:
         v: torch.Tensor,  # (B, H_kv, T, D)
         cos: torch.Tensor,  # (B, 1, T, D) rotary tables at each token's position
         sin: torch.Tensor,  # (B, 1, T, D)
+        kernels: Kernels,
     ) -> torch.Tensor:
         """Rotate queries and keys, store every segment's keys/values and return the attention
-        output (B, H, T, D)."""
+        output (B, H, T, D), through `kernels`' row attention where it takes the segments."""
         if not self._laid_out:
-            self._rows, self._laid_out = _KernelRows.build(self.segments, q), True
+            self._rows, self._laid_out = _KernelRows.build(self.segments, q, kernels), True
         if self._rows is not None:
             return self._attend_kernel(self._rows, layer, q, k, v, cos, sin)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -109,12 +114,12 @@ class AttentionPlan:
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
-        """The short segments through the CPU kernel in one call (rotary applied inside), the
+        """The short segments through the row kernel in one call (rotary applied inside), the
         others through SDPA."""
         b, h, t, d = q.shape
         out = torch.empty(b, t, h, d, dtype=q.dtype)  # (1, T, H, D): the o projection reads it without a copy
         cache_k, cache_v = rows.cache.layer_slots(layer)  # type: ignore[misc]
-        cpu_gemm.attend_rows(
+        rows.kernel(
             q[0], k[0], v[0], cache_k, cache_v, rows.rows, rows.new_slots, rows.row_ptr, rows.idx, out[0],
             cos[0, 0], sin[0, 0],
         )  # fmt: skip
@@ -147,9 +152,10 @@ class AttentionPlan:
 
 @dataclass(frozen=True)
 class _KernelRows:
-    """The rows of a plan that the CPU attention kernel computes, laid out once per forward: each
+    """The rows of a plan that the row-attention kernel computes, laid out once per forward: each
     row's own slot and, as CSR, the slots it attends to (its prefix and its tree ancestors)."""
 
+    kernel: AttendRows
     cache: SequenceCache  # whose `layer_slots` every kernel row reads (one storage per plan)
     fast: list[bool]  # per segment: through the kernel
     rows: torch.Tensor  # (R,) long, indices into the forward's T tokens
@@ -158,18 +164,12 @@ class _KernelRows:
     idx: torch.Tensor  # (nnz,) long
 
     @classmethod
-    def build(cls, segments: list[Segment], q: torch.Tensor) -> _KernelRows | None:
-        """None when no segment can use the kernel (not a one-sequence float32 CPU cache, no
-        kernel here, gradients wanted, an unsupported head size, only long segments)."""
-        if (
-            cpu_gemm.attention_kernel() is None
-            or q.dtype != torch.float32
-            or not q.is_cpu
-            or q.shape[0] != 1
-            or q.shape[-1] not in cpu_gemm.ATTENTION_HEAD_DIMS
-            or (torch.is_grad_enabled() and q.requires_grad)
-        ):
+    def build(cls, segments: list[Segment], q: torch.Tensor, kernels: Kernels) -> _KernelRows | None:
+        """None when no segment can use the kernel (none in `kernels`, queries it does not take:
+        see `Kernels.attends`; only long segments)."""
+        if not kernels.attends(q):
             return None
+        assert kernels.attend_rows is not None
         first = segments[0].cache.layer_slots(0)
         if first is None:
             return None
@@ -201,6 +201,7 @@ class _KernelRows:
         row_ptr = torch.zeros(sum(r.numel() for r in rows) + 1, dtype=torch.long)
         torch.cumsum(torch.cat(counts), 0, out=row_ptr[1:])
         return cls(
+            kernels.attend_rows,
             segments[fast.index(True)].cache,
             fast,
             torch.cat(rows),

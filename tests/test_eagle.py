@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from specdecode.cli import build_parser, main, speculative_settings
 from specdecode.drafters.base import Proposal
 from specdecode.drafters.eagle import EagleDrafter, EagleHead, load_head, save_head
+from specdecode.engine.drafter_factory import DrafterFactory
 from specdecode.errors import SpecDecodeError
 from specdecode.llm import LLM
 from specdecode.models.transformer import Transformer
@@ -376,10 +377,9 @@ def test_checkpoint_errors(target: Transformer, tmp_path: Path) -> None:
     save_head(random_head(other), tmp_path / "other", target="other")
     with pytest.raises(SpecDecodeError, match="trained for another target: hidden size 48"):
         EagleDrafter.static(load_head(tmp_path / "other"), target)
-    llm = LLM.__new__(LLM)  # only the shipped-head lookup: no model needed
-    llm.model_name, llm._eagle_heads = "no-such-model", {}
+    drafters = DrafterFactory(target, model_name="no-such-model")
     with pytest.raises(SpecDecodeError, match="specdecode train eagle --model no-such-model"):
-        llm.drafters.head("eagle", None)
+        drafters.head("eagle", None)
 
 
 # ------------------------------------------------------------------------------------------------

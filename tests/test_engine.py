@@ -98,6 +98,7 @@ def run_both(model, caches, ids: list[int], mask_among: torch.Tensor | None = No
         depths = torch.arange(t) if mask_among is None else mask_among.sum(1) - 1
         plan = AttentionPlan([Segment(cache, cache.reserve(t), t, mask)])
         out.append(model.forward_plan(torch.tensor([ids]), (start + depths)[None], plan)[0])
+        plan.commit()
     return out
 
 

@@ -136,3 +136,24 @@ def test_the_checks_see_a_planted_upward_import(tmp_path: Path) -> None:
     assert layer_of("specdecode.request") < layer_of("specdecode.drafters.base")
     planted_cycle = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycles(planted_cycle) == [["a", "b", "c", "a"]]
+
+
+def test_compiled_kernels_are_reached_only_through_the_boundary() -> None:
+    """ctypes is imported by the kernels package alone; outside it, nothing imports a kernel
+    implementation (`specdecode.kernels.cpu_gemm`, `.cpu`, `.reference`) but the interface, and
+    drafters import no kernels at all: they read the model's layers and LM head."""
+    offenders = []
+    for path in ROOT.rglob("*.py"):
+        module = module_name(path)
+        if module.startswith("specdecode.kernels"):
+            continue
+        tree = ast.parse(path.read_text())
+        plain = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        if "ctypes" in plain:
+            offenders.append(f"{module} imports ctypes")
+        for dep in imports(path):
+            if dep.startswith("specdecode.kernels.") and dep not in ("specdecode.kernels.base",):
+                offenders.append(f"{module} imports {dep}")
+            if module.startswith("specdecode.drafters") and dep.startswith("specdecode.kernels"):
+                offenders.append(f"drafter {module} imports {dep}")
+    assert not offenders, "\n".join(sorted(offenders))

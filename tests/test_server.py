@@ -688,7 +688,15 @@ def test_chat_logprobs_whole_and_streamed(real, llm: LLM) -> None:
         assert entry.top_logprobs[0].token == entry.token  # greedy picks the most likely
     chunks = list(client.chat.completions.create(**kwargs, top_logprobs=5, stream=True, extra_body=extra))
     streamed = [e for c in chunks if c.choices[0].logprobs is not None for e in c.choices[0].logprobs.content]
-    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    # The same tokens and candidates; the values agree to float32 rounding, not bitwise: the
+    # second request reuses the first's prompt blocks, so its rows run in other forwards.
+    assert len(streamed) == len(content)
+    for got, want in zip(streamed, content, strict=True):
+        assert (got.token, got.bytes) == (want.token, want.bytes)
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t.token for t in got.top_logprobs] == [t.token for t in want.top_logprobs]
+        tops = [t.logprob for t in want.top_logprobs]
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx(tops, abs=1e-4)
     bare = client.chat.completions.create(**kwargs, extra_body=extra)  # no top_logprobs: none listed
     assert [e.top_logprobs for e in bare.choices[0].logprobs.content] == [[]] * 10
     assert client.chat.completions.create(**kwargs | {"logprobs": False}).choices[0].logprobs is None

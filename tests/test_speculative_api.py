@@ -164,10 +164,8 @@ def test_cli_method_flags(tiny_paths, capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_draft_dtype(llm: LLM, tiny_paths) -> None:
     """auto: a float32 target on a CPU with the bf16 kernel drafts in bfloat16; or as asked."""
-    from specdecode.models import cpu_gemm
-
     draft = str(tiny_paths[1])
-    auto = torch.bfloat16 if cpu_gemm.kernel_bf16() is not None else torch.float32
+    auto = torch.bfloat16 if llm.model.kernels.fast_bf16 else torch.float32
     assert llm.drafters.draft_model(draft, "auto").dtype == auto
     assert llm.drafters.draft_model(draft, "float32").dtype == torch.float32
     assert llm.drafters.draft_model(draft, "bfloat16").dtype == torch.bfloat16

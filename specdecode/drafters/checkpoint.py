@@ -11,8 +11,10 @@ checkpoint is wrong.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +23,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.transformer import Transformer
 
 CONFIG = "config.json"
+M = TypeVar("M", bound=nn.Module)
 SHIPPED = Path(__file__).resolve().parents[1] / "heads"
 
 
@@ -102,6 +105,47 @@ def check_method(root: Path, config: dict[str, Any], method: str, a_what: str) -
 def reference_file(root: Path, names: tuple[str, ...]) -> Path | None:
     """The first of a reference layout's weights files (by preference) that `root` holds."""
     return next((root / name for name in names if (root / name).is_file()), None)
+
+
+@dataclass(frozen=True)
+class Layouts:
+    """How one kind of head is stored: specdecode's layout (`weights` + config naming `method`)
+    and its reference implementation's (`reference_weights`, described by `reference_note` in
+    the error that finds neither)."""
+
+    what: str  # "Medusa heads", in messages
+    method: str  # the config's "method"
+    a_what: str  # "a Medusa", in the wrong-method message
+    weights: str
+    reference_weights: tuple[str, ...]
+    reference_note: str  # " (Medusa reference)"
+
+
+def load_either(
+    path: str | Path,
+    layouts: Layouts,
+    ours: Callable[[Path, dict[str, Any]], M],
+    reference: Callable[[Path, dict[str, Any]], M],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    reference_ok: Callable[[dict[str, Any]], bool] = lambda config: True,
+) -> M:
+    """A head from a directory in either layout: `ours(root, config)` where specdecode's weights
+    file is there, else `reference(file, config)` on the reference's (when `reference_ok` accepts
+    its config); in `dtype` on `device`, in eval mode."""
+    root, config = open_directory(path, layouts.what)
+    if (root / layouts.weights).is_file():
+        check_method(root, config, layouts.method, layouts.a_what)
+        module = ours(root, config)
+    else:
+        found = reference_file(root, layouts.reference_weights)
+        if found is None or not reference_ok(config):
+            raise SpecDecodeError(
+                f"no {layouts.what} in {root}: expected {layouts.weights} + {CONFIG} (specdecode) or "
+                f"{' / '.join(layouts.reference_weights)}{layouts.reference_note}"
+            )
+        module = reference(found, config)
+    return module.to(device=device, dtype=dtype).eval()
 
 
 def shipped(model_name: str, method: str, weights: str, what: str, plural: bool = False) -> Path:

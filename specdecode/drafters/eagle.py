@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdecode.attention import AttentionPlan, Segment
@@ -57,9 +56,11 @@ from specdecode.drafters.base import Drafter, Proposal, StepResult
 from specdecode.drafters.checkpoint import CONFIG
 from specdecode.errors import SpecDecodeError
 from specdecode.kv_cache import KVCache
-from specdecode.models import cpu_gemm
+from specdecode.layers.linear import Dense
+from specdecode.layers.lm_head import ApproxHead
+from specdecode.layers.rotary import Rotary
 from specdecode.models.config import ModelConfig
-from specdecode.models.transformer import Block, Dense, Rotary, Transformer
+from specdecode.models.transformer import Block, Transformer
 from specdecode.sampling import SamplingParams, logits_to_probs
 from specdecode.spec_config import DEFAULT_EAGLE2
 from specdecode.tree import DraftTree, from_choices
@@ -70,6 +71,9 @@ if TYPE_CHECKING:
 WEIGHTS = "eagle.safetensors"
 DRAFT_VOCAB = "draft_vocab"  # optional tensor of the weights file: the ids the head drafts from
 REFERENCE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+LAYOUTS = checkpoint.Layouts(
+    "EAGLE head", "eagle", "an EAGLE", WEIGHTS, REFERENCE_WEIGHTS, f" + {CONFIG} (EAGLE reference)"
+)
 LAYER_KEYS = (
     "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings",
     "rms_norm_eps", "rope_theta", "rope_scaling", "attention_bias",
@@ -98,7 +102,7 @@ class EagleHead(nn.Module):
         super().__init__()
         self.layer_config = dataclasses.replace(layer, num_layers=1)
         self.draft_vocab = None if draft_vocab is None else torch.unique(draft_vocab.long())  # (V',) sorted
-        self._draft_weight: tuple[tuple[int, int, torch.dtype], Tensor] | None = None
+        self._draft_head: tuple[tuple[int, int], ApproxHead] | None = None
         self.hidden_size, self.vocab_size = layer.hidden_size, layer.vocab_size
         self.fc_bias, self.input_norm = fc_bias, input_norm
         self.choices = None if choices is None else [list(c) for c in choices]
@@ -111,27 +115,14 @@ class EagleHead(nn.Module):
         """A fresh head shaped like one layer of `target` (what training starts from)."""
         return cls(dataclasses.replace(target, num_layers=1))
 
-    def draft_weight(self, target: Transformer) -> Tensor:
-        """The target's LM head rows of the draft vocabulary, (V', C), cached: bfloat16 for a
-        float32 target on a CPU (a draft needs plausible, not exact, logits; AMX/AVX512-BF16 make
-        it several times faster), else the target's dtype; where our bfloat16 kernel runs, its
-        tiles (V'/32, C/2, 32, 2) instead (about half oneDNN's time at a few rows). Remade when
-        the head changes."""
-        head_t = target.head_weight_t()  # (C, V)
-        low = target.dtype == torch.float32 and head_t.device.type == "cpu"
-        dtype = torch.bfloat16 if low else head_t.dtype
-        key = (head_t.data_ptr(), head_t._version, dtype)
-        if self._draft_weight is None or self._draft_weight[0] != key:
-            with torch.inference_mode(False), torch.no_grad():
-                rows = head_t.detach().t()  # (V, C)
-                if self.draft_vocab is not None:
-                    rows = rows[self.draft_vocab.to(rows.device)]
-                weight = rows.to(dtype).contiguous()
-                v, c = weight.shape
-                if low and cpu_gemm.kernel_bf16() is not None and v % cpu_gemm.TILE == 0 and c % 2 == 0:
-                    weight = cpu_gemm.tile_weight_bf16(weight.t())
-                self._draft_weight = key, weight
-        return self._draft_weight[1]
+    def draft_head(self, target: Transformer) -> ApproxHead:
+        """The target's LM head over the draft vocabulary, as the target's kernels read it for
+        drafts (approximate, bfloat16 products, where they offer that: a draft needs plausible,
+        not exact, logits), cached and remade when the head changes."""
+        key = target.head.key()
+        if self._draft_head is None or self._draft_head[0] != key:
+            self._draft_head = key, target.approx_head(self.draft_vocab)
+        return self._draft_head[1]
 
     def new_cache(self, max_len: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
         return KVCache(self.layer_config, max_len, 1, dtype, device)
@@ -143,12 +134,11 @@ class EagleHead(nn.Module):
         positions: Tensor,  # (B, T) long: t
         plan: AttentionPlan,
     ) -> Tensor:
-        """Guesses of f_{t+1}, (B, T, C); appends the pairs' keys/values to the plan's cache."""
+        """Guesses of f_{t+1}, (B, T, C); writes the pairs' keys/values to the plan's slots (the
+        caller commits the plan)."""
         x = self.fc(torch.cat([embeds, features], dim=-1))
         cos, sin = self.rotary(positions, x.dtype)
-        out = self.layer(x, cos, sin, plan)
-        plan.commit()
-        return out
+        return self.layer(x, cos, sin, plan)
 
     def run(
         self,
@@ -160,7 +150,9 @@ class EagleHead(nn.Module):
     ) -> Tensor:
         """One sequence's pairs over `cache` -> (T, C) guesses (the drafter's forward)."""
         plan = AttentionPlan([Segment.append(cache, embeds.shape[0], mask)])
-        return self(embeds[None], features[None], positions[None], plan)[0]
+        out = self(embeds[None], features[None], positions[None], plan)[0]
+        plan.commit()
+        return out
 
     def config(self) -> dict[str, Any]:
         layer = self.layer_config
@@ -270,33 +262,10 @@ def load_head(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    tile: bool = True,
 ) -> EagleHead:
-    """An EAGLE head from a directory in either layout (see the module docstring). `tile` False
-    keeps the weights trainable (no inference-only kernel layout)."""
-    root, config = checkpoint.open_directory(path, "EAGLE head")
-    if (root / WEIGHTS).is_file():
-        checkpoint.check_method(root, config, "eagle", "an EAGLE")
-        head = _load_ours(root, config)
-    else:
-        found = checkpoint.reference_file(root, REFERENCE_WEIGHTS)
-        if found is None:
-            raise SpecDecodeError(
-                f"no EAGLE head in {root}: expected {WEIGHTS} + {CONFIG} (specdecode) or "
-                f"{' / '.join(REFERENCE_WEIGHTS)} + {CONFIG} (EAGLE reference)"
-            )
-        head = _load_reference(found, config)
-    head = head.to(device=device, dtype=dtype).eval()
-    if (
-        tile
-        and torch.device(device).type == "cpu"
-        and dtype == torch.float32
-        and cpu_gemm.kernel() is not None
-    ):
-        # Drafting runs the layer on a few rows at a time: the target's few-row kernel layout.
-        for dense in (head.fc, head.layer.qkv, head.layer.o, head.layer.gate_up, head.layer.down):
-            dense.tile()
-    return head
+    """An EAGLE head from a directory in either layout (see the module docstring), trainable: bind
+    the target's kernels (`layers.bind_kernels`) to draft with it."""
+    return checkpoint.load_either(path, LAYOUTS, _load_ours, _load_reference, dtype, device)
 
 
 def shipped_head(model_name: str) -> Path:
@@ -522,11 +491,8 @@ class EagleDrafter(Drafter):
 
     def draft_logits(self, guesses: Tensor) -> Tensor:
         """(R, C) -> (R, V') float32 logits of the target's LM head over the draft vocabulary
-        (`EagleHead.draft_weight`); what is declared to the verifier comes from these very logits."""
-        weight = self.head.draft_weight(self.target)  # (V', C), or the bf16 kernel's tiles
-        if weight.dim() == 4:
-            return cpu_gemm.tiled_matmul_bf16(guesses, weight)
-        return F.linear(guesses.to(weight.dtype), weight).float()
+        (`EagleHead.draft_head`); what is declared to the verifier comes from these very logits."""
+        return self.head.draft_head(self.target)(guesses)
 
     # ---- the decided pairs: the head cache holds exactly these between steps -------------------
 

@@ -53,6 +53,9 @@ if TYPE_CHECKING:
 
 WEIGHTS = "medusa.safetensors"
 REFERENCE_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+LAYOUTS = checkpoint.Layouts(
+    "Medusa heads", "medusa", "a Medusa", WEIGHTS, REFERENCE_WEIGHTS, " (Medusa reference)"
+)
 # Nodes of the tree used when none is given: one forward over 9 tokens costs ~1.4x one token for
 # SmolLM2 on a CPU, over 33 ~2.5x (Spec-Bench, session 3: 8 nodes 0.94x plain at tau 1.33, the
 # fitted 32-node tree 0.57x at tau 1.63).
@@ -199,19 +202,7 @@ def load_heads(
     path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> MedusaHeads:
     """Medusa heads from a directory in either layout (see the module docstring)."""
-    root, config = checkpoint.open_directory(path, "Medusa heads")
-    if (root / WEIGHTS).is_file():
-        checkpoint.check_method(root, config, "medusa", "a Medusa")
-        heads = _load_ours(root, config)
-    else:
-        found = checkpoint.reference_file(root, REFERENCE_WEIGHTS)
-        if found is None:
-            raise SpecDecodeError(
-                f"no Medusa heads in {root}: expected {WEIGHTS} + {CONFIG} (specdecode) or "
-                f"{' / '.join(REFERENCE_WEIGHTS)} (Medusa reference)"
-            )
-        heads = _load_reference(found, config)
-    return heads.to(device=device, dtype=dtype).eval()
+    return checkpoint.load_either(path, LAYOUTS, _load_ours, _load_reference, dtype, device)
 
 
 def shipped_heads(model_name: str) -> Path:

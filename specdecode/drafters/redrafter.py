@@ -71,6 +71,10 @@ if TYPE_CHECKING:
 WEIGHTS = "redrafter.safetensors"
 REFERENCE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 REFERENCE_MODEL_TYPE = "recurrent_drafting_drafter"
+LAYOUTS = checkpoint.Layouts(
+    "ReDrafter", "redrafter", "a ReDrafter", WEIGHTS, REFERENCE_WEIGHTS,
+    f" + a {CONFIG} of model_type {REFERENCE_MODEL_TYPE!r} (apple/ml-recurrent-drafter)",
+)  # fmt: skip
 
 
 class ReDrafterHead(nn.Module):
@@ -306,28 +310,22 @@ def load_head(
     path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> ReDrafterHead:
     """A ReDrafter from a directory in either layout (see the module docstring)."""
-    root, config = checkpoint.open_directory(path, "ReDrafter")
-    if (root / WEIGHTS).is_file():
-        checkpoint.check_method(root, config, "redrafter", "a ReDrafter")
-        head = _build(config, root / CONFIG, "num_layers", bool(config.get("shared_lm_head", True)))
-        tensors = checkpoint.read_tensors(root / WEIGHTS, "ReDrafter")
-        vocab = tensors.pop("draft_vocab", head.draft_vocab)
-        if vocab.shape != head.draft_vocab.shape:
-            raise SpecDecodeError(
-                f"{root / WEIGHTS}: draft_vocab does not match draft_vocab_size in {CONFIG}"
-            )
-        checkpoint.load_state(head, tensors, root / WEIGHTS, "ReDrafter")
-        head.draft_vocab = vocab.long()
-    else:
-        found = checkpoint.reference_file(root, REFERENCE_WEIGHTS)
-        if found is None or config.get("model_type") != REFERENCE_MODEL_TYPE:
-            raise SpecDecodeError(
-                f"no ReDrafter in {root}: expected {WEIGHTS} + {CONFIG} (specdecode) or "
-                f"{' / '.join(REFERENCE_WEIGHTS)} + a {CONFIG} of model_type {REFERENCE_MODEL_TYPE!r} "
-                "(apple/ml-recurrent-drafter)"
-            )
-        head = _load_reference(found, config)
-    return head.to(device=device, dtype=dtype).eval()
+
+    def reference_ok(config: dict[str, Any]) -> bool:
+        return config.get("model_type") == REFERENCE_MODEL_TYPE
+
+    return checkpoint.load_either(path, LAYOUTS, _load_ours, _load_reference, dtype, device, reference_ok)
+
+
+def _load_ours(root: Path, config: dict[str, Any]) -> ReDrafterHead:
+    head = _build(config, root / CONFIG, "num_layers", bool(config.get("shared_lm_head", True)))
+    tensors = checkpoint.read_tensors(root / WEIGHTS, "ReDrafter")
+    vocab = tensors.pop("draft_vocab", head.draft_vocab)
+    if vocab.shape != head.draft_vocab.shape:
+        raise SpecDecodeError(f"{root / WEIGHTS}: draft_vocab does not match draft_vocab_size in {CONFIG}")
+    checkpoint.load_state(head, tensors, root / WEIGHTS, "ReDrafter")
+    head.draft_vocab = vocab.long()
+    return head
 
 
 def shipped_head(model_name: str) -> Path:

@@ -30,7 +30,7 @@ from specdecode.drafters.lookahead import LookaheadDrafter
 from specdecode.drafters.lookup_branch import LookupBranch
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.errors import SpecDecodeError
-from specdecode.models import cpu_gemm
+from specdecode.layers import bind_kernels
 from specdecode.models.config import ModelConfig
 from specdecode.models.loader import resolve_dtype, resolve_model
 from specdecode.models.tokenizer import Tokenizer
@@ -113,8 +113,9 @@ class DrafterFactory:
         """The draft model `name` in `dtype` (see `DraftModelConfig.draft_dtype`), loaded once and
         checked to share the target's vocabulary."""
         if dtype == "auto":
-            cpu_bf16 = self.target.device.type == "cpu" and cpu_gemm.kernel_bf16() is not None
-            use = torch.bfloat16 if self.target.dtype == torch.float32 and cpu_bf16 else self.target.dtype
+            use = self.target.dtype
+            if use == torch.float32 and self.target.kernels.fast_bf16:
+                use = torch.bfloat16
         else:
             use = resolve_dtype(dtype)
 
@@ -149,6 +150,7 @@ class DrafterFactory:
         def make() -> Any:
             heads = load(where, target.dtype, target.device)
             check_fits(heads, target, f"{label} {where}")
+            bind_kernels(heads, target.kernels)  # drafting runs a few rows at a time, as verifying
             return heads
 
         return self.load(kind, where, target.dtype, make)

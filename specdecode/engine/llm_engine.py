@@ -396,7 +396,9 @@ class LLMEngine:
             positions.append(torch.arange(seg.start, seg.start + seg.length, device=self.device))
         segments = [p[2] for p in plans] + [c[1] for c in chunks]
         plan = AttentionPlan(segments)
-        return self.model.forward_plan(torch.cat(ids)[None], torch.cat(positions)[None], plan)[0]
+        hidden = self.model.forward_plan(torch.cat(ids)[None], torch.cat(positions)[None], plan)[0]
+        plan.commit()  # the runner, not the forward, moves the caches past the new rows
+        return hidden
 
     def _commit(
         self,

@@ -48,31 +48,17 @@ from torch import Tensor
 from specdecode.drafters.eagle import EagleHead, check_fits, load_head, save_head
 from specdecode.drafters.medusa import best_tree
 from specdecode.errors import SpecDecodeError
+from specdecode.layers import bind_kernels
 from specdecode.models.transformer import Transformer
+from specdecode.train import pipeline
 from specdecode.train.features import Features
-from specdecode.train.pipeline import (
-    IGNORE,
-    STATE,
-    Common,
-    RecentMean,
-    add_common_args,
-    draft_columns,
-    fingerprint,
-    measure_tau,
-    prepare,
-    print_done,
-    run_figures,
-    settings_from_args,
-    total_steps,
-    train_loop,
-    write_report,
-)
+from specdecode.train.pipeline import IGNORE
 
 MAX_RANK = 10  # ranks tracked for the tree fit; deeper ranks are never worth a node
 
 
 @dataclass(frozen=True)
-class TrainSettings(Common):
+class TrainSettings(pipeline.Common):
     """Everything a run depends on; `specdecode train eagle --help` describes each."""
 
     epochs: int = 10
@@ -222,16 +208,16 @@ def fit(
     Returns the mean loss and top-1 accuracy of the last 50 steps. Matmuls run in the target's
     dtype (see `eagle_loss`); the cross-entropy runs over `head.draft_vocab` (all ids if None)."""
     device = target.device
-    lm_weight, column = draft_columns(target.head_weight_t().detach(), head.draft_vocab)  # (C, V')
+    lm_weight, column = pipeline.draft_columns(target.head_weight_t().detach(), head.draft_vocab)  # (C, V')
     if lm_weight.is_inference():  # made under inference_mode (a cached tied head): autograd needs a copy
         lm_weight = lm_weight.clone()
     embed = target.embed
     keys = (
         "model", "lr", "batch_size", "seed", "dtype", "ce_weight", "noise", "draft_vocab", "unroll", "init",
     )  # fmt: skip
-    total = total_steps(settings, len(data))
+    total = pipeline.total_steps(settings, len(data))
     optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
-    losses, accs = RecentMean(), RecentMean()
+    losses, accs = pipeline.RecentMean(), pipeline.RecentMean()
 
     def step(idx: Tensor) -> dict[str, float]:
         chunk = batch(data, idx.tolist(), device)
@@ -249,14 +235,14 @@ def fit(
         accs.add(acc)
         return {"loss": losses.values[-1], "acc": accs.values[-1]}
 
-    train_loop(
+    pipeline.train_loop(
         head,
         optimizer,
         step,
         num_items=len(data),
         settings=settings,
         state_file=state_file,
-        fingerprint=fingerprint(settings, keys, sequences=len(data), total=total),
+        fingerprint=pipeline.fingerprint(settings, keys, sequences=len(data), total=total),
         desc="eagle",
         on_step=on_step,
     )
@@ -332,7 +318,7 @@ def depth_rank_counts(
 def train(settings: TrainSettings) -> dict[str, Any]:
     """The whole pipeline; returns (and writes to OUT/report.json) what it measured."""
     started = time.perf_counter()
-    prep = prepare(settings)
+    prep = pipeline.prepare(settings)
     target, out = prep.target, prep.out
     positions = sum(int(m[2:].sum()) for m in prep.train.mask)
     print(
@@ -341,14 +327,14 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     )
     torch.manual_seed(settings.seed)
     if settings.init is not None:
-        head = load_head(settings.init, torch.float32, target.device, tile=False).train()
+        head = load_head(settings.init, torch.float32, target.device).train()
         check_fits(head, target, f"--init {settings.init}")
         print(f"starting from the head in {settings.init}")
     else:
         head = EagleHead.for_target(target.config).to(target.device)
         head.draft_vocab = draft_vocabulary(prep.train, settings.draft_vocab, target.config.vocab_size)
     t0 = time.perf_counter()
-    figures = fit(head, target, prep.train, settings, out / "cache" / STATE)
+    figures = fit(head, target, prep.train, settings, out / "cache" / pipeline.STATE)
     train_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -367,7 +353,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         "train_sequences": len(prep.train),
         "train_positions": positions,
         "train_top1": round(figures["acc"], 4) if math.isfinite(figures["acc"]) else None,
-        **run_figures(prep, settings, figures, train_s),
+        **pipeline.run_figures(prep, settings, figures, train_s),
     }
     save_head(head, out, target=settings.model, extra={"training": report})
 
@@ -375,21 +361,13 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     from specdecode.drafters.eagle import EagleDrafter
 
     shipped = load_head(out, torch.float32, eval_target.device)
-    chosen = prep.eval_prompts(settings)
-    eos = prep.tokenizer.eos_token_ids
-    tau1 = measure_tau(
-        eval_target, lambda: EagleDrafter.static(shipped, eval_target), chosen, settings.eval_tokens, eos
-    )
-    tau2 = measure_tau(
-        eval_target, lambda: EagleDrafter.dynamic(shipped, eval_target), chosen, settings.eval_tokens, eos
-    )
-    report.update(
-        heldout_tau_eagle=round(tau1, 3),
-        heldout_tau_eagle2=round(tau2, 3),
-        tau_prompts=len(chosen),
-        eval_s=round(time.perf_counter() - t0, 1),
-    )
-    write_report(prep, report, started)
+    bind_kernels(shipped, eval_target.kernels)
+    makers = {
+        "heldout_tau_eagle": lambda t: EagleDrafter.static(shipped, t),
+        "heldout_tau_eagle2": lambda t: EagleDrafter.dynamic(shipped, t),
+    }
+    prompts = pipeline.heldout_tau(prep, settings, report, makers, since=t0)
+    pipeline.write_report(prep, report, started)
     save_head(head, out, target=settings.model, extra={"training": report})
     print(f"held-out top-1 accuracy of the drafted token by depth: {' '.join(f'{a:.3f}' for a in top1)}")
     print(f"held-out top-5 accuracy by depth: {' '.join(f'{a:.3f}' for a in top5)}")
@@ -399,15 +377,16 @@ def train(settings: TrainSettings) -> dict[str, Any]:
             f"{report['draft_vocab_heldout_coverage']:.3f} of the held-out answer tokens"
         )
     print(
-        f"held-out τ (greedy decoding, {len(chosen)} prompts, {settings.eval_tokens} tokens): "
-        f"EAGLE-1 (fitted tree of {len(head.choices)} nodes) {tau1:.3f}, EAGLE-2 (defaults) {tau2:.3f}"
+        f"held-out τ (greedy decoding, {prompts} prompts, {settings.eval_tokens} tokens): EAGLE-1 "
+        f"(fitted tree of {len(head.choices)} nodes) {report['heldout_tau_eagle']:.3f}, "
+        f"EAGLE-2 (defaults) {report['heldout_tau_eagle2']:.3f}"
     )
-    print_done(prep, report, train_s, "head")
+    pipeline.print_done(prep, report, train_s, "head")
     return report
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    d = add_common_args(p, TrainSettings)
+    d = pipeline.add_common_args(p, TrainSettings)
     p.add_argument("--ce-weight", type=float, default=d.ce_weight, help="weight of the LM-head cross-entropy")
     p.add_argument(
         "--noise", type=float, default=d.noise, help="width of the uniform noise on input features"
@@ -432,7 +411,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main_args(args: argparse.Namespace) -> None:
-    settings = settings_from_args(TrainSettings, args)
+    settings = pipeline.settings_from_args(TrainSettings, args)
     for name in ("tree_nodes", "tree_depth", "unroll"):
         if getattr(args, name) < 1:
             raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

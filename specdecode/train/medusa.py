@@ -36,30 +36,16 @@ from torch import Tensor
 
 from specdecode.drafters.medusa import MedusaDrafter, MedusaHeads, best_tree, load_heads, save_heads
 from specdecode.errors import SpecDecodeError
+from specdecode.train import pipeline
 from specdecode.train.features import Features
-from specdecode.train.pipeline import (
-    IGNORE,
-    STATE,
-    Common,
-    RecentMean,
-    add_common_args,
-    fingerprint,
-    measure_tau,
-    prepare,
-    print_done,
-    run_figures,
-    settings_from_args,
-    total_steps,
-    train_loop,
-    write_report,
-)
+from specdecode.train.pipeline import IGNORE
 
 HEAD_DECAY = 0.8
 MAX_RANK = 10  # ranks tracked for the tree fit; deeper ranks are never worth a node
 
 
 @dataclass(frozen=True)
-class TrainSettings(Common):
+class TrainSettings(pipeline.Common):
     """Everything a run depends on; `specdecode train medusa --help` describes each."""
 
     num_heads: int = 4
@@ -145,9 +131,9 @@ def fit(
     if lm_weight.is_inference():  # made under inference_mode (a cached tied head): autograd needs a copy
         lm_weight = lm_weight.clone()
     keys = ("model", "num_heads", "num_layers", "lr", "batch_size", "seed", "dtype")
-    total = total_steps(settings, len(data))
+    total = pipeline.total_steps(settings, len(data))
     optimizer = torch.optim.AdamW(heads.parameters(), lr=settings.lr, weight_decay=0.0)
-    recent = RecentMean()
+    recent = pipeline.RecentMean()
     figures = {"loss": float("nan"), "acc0": float("nan")}
 
     def step(idx: Tensor) -> dict[str, float]:
@@ -163,14 +149,14 @@ def fit(
         figures.update(loss=recent.add(float(loss.detach())), acc0=hits0 / max(int(valid0.sum()), 1))
         return {"loss": recent.values[-1], "acc0": figures["acc0"]}
 
-    train_loop(
+    pipeline.train_loop(
         heads,
         optimizer,
         step,
         num_items=len(data),
         settings=settings,
         state_file=state_file,
-        fingerprint=fingerprint(settings, keys, positions=len(data), total=total),
+        fingerprint=pipeline.fingerprint(settings, keys, positions=len(data), total=total),
         desc="medusa",
         on_step=on_step,
     )
@@ -198,7 +184,7 @@ def rank_counts(heads: MedusaHeads, lm_weight: Tensor, data: Positions, chunk: i
 def train(settings: TrainSettings) -> dict[str, Any]:
     """The whole pipeline; returns (and writes to OUT/report.json) what it measured."""
     started = time.perf_counter()
-    prep = prepare(settings)
+    prep = pipeline.prepare(settings)
     target, out, device = prep.target, prep.out, prep.device
     cfg = target.config
     train_set = positions(prep.train, settings.num_heads)
@@ -213,7 +199,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     heads = MedusaHeads(settings.num_heads, settings.num_layers, cfg.hidden_size, cfg.vocab_size).to(device)
     lm_weight = target.head_weight_t().detach().to(target.dtype)  # (C, V), frozen
     t0 = time.perf_counter()
-    figures = fit(heads, lm_weight, train_set, settings, out / "cache" / STATE)
+    figures = fit(heads, lm_weight, train_set, settings, out / "cache" / pipeline.STATE)
     train_s = time.perf_counter() - t0
 
     counts = rank_counts(heads, lm_weight, held_set)  # (K, MAX_RANK + 1)
@@ -228,43 +214,36 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         "heldout_positions": len(held_set),
         "train_positions": len(train_set),
         "train_samples": len(prep.train),
-        **run_figures(prep, settings, figures, train_s),
+        **pipeline.run_figures(prep, settings, figures, train_s),
     }
     save_heads(heads, out, target=settings.model, extra={"training": report})
 
     # τ of real decoding with the saved (float16) heads on the float32 target, as users run it.
     t0 = time.perf_counter()
-    eval_target = prep.eval_target()
     shipped = load_heads(out, torch.float32, device)
-    chosen = prep.eval_prompts(settings)
-    tau = measure_tau(
-        eval_target, lambda: MedusaDrafter(shipped, eval_target), chosen, settings.eval_tokens,
-        prep.tokenizer.eos_token_ids,
-    )  # fmt: skip
-    report.update(
-        heldout_tau=round(tau, 3), tau_prompts=len(chosen), eval_s=round(time.perf_counter() - t0, 1)
-    )
-    write_report(prep, report, started)
+    makers = {"heldout_tau": lambda t: MedusaDrafter(shipped, t)}
+    prompts = pipeline.heldout_tau(prep, settings, report, makers, t0)
+    pipeline.write_report(prep, report, started)
     save_heads(heads, out, target=settings.model, extra={"training": report})
     print(f"held-out top-1 accuracy per head: {' '.join(f'{a:.3f}' for a in top1)}")
     print(f"held-out top-5 accuracy per head: {' '.join(f'{a:.3f}' for a in top5)}")
     print(
-        f"held-out τ (greedy Medusa decoding, {len(chosen)} prompts, {settings.eval_tokens} tokens, "
-        f"fitted tree of {len(heads.choices)} nodes): {tau:.3f}"
+        f"held-out τ (greedy Medusa decoding, {prompts} prompts, {settings.eval_tokens} tokens, "
+        f"fitted tree of {len(heads.choices)} nodes): {report['heldout_tau']:.3f}"
     )
-    print_done(prep, report, train_s, "heads")
+    pipeline.print_done(prep, report, train_s, "heads")
     return report
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    d = add_common_args(p, TrainSettings)
+    d = pipeline.add_common_args(p, TrainSettings)
     p.add_argument("--num-heads", type=int, default=d.num_heads)
     p.add_argument("--num-layers", type=int, default=d.num_layers, help="residual blocks per head")
     p.add_argument("--tree-nodes", type=int, default=d.tree_nodes, help="nodes of the fitted tree")
 
 
 def main_args(args: argparse.Namespace) -> None:
-    settings = settings_from_args(TrainSettings, args)
+    settings = pipeline.settings_from_args(TrainSettings, args)
     if args.num_heads < 1:
         raise SpecDecodeError(f"--num-heads must be >= 1, got {args.num_heads}")
     if args.num_layers < 0:

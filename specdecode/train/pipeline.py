@@ -371,6 +371,26 @@ def measure_tau(
     return tokens / max(forwards, 1)
 
 
+def heldout_tau(
+    prep: Prepared,
+    settings: Common,
+    report: dict[str, Any],
+    drafters: dict[str, Callable[[Transformer], Drafter]],
+    since: float,
+) -> int:
+    """τ of real greedy decoding on the float32 target (as users run it) over the held-out prompts,
+    for each named drafter maker, into `report` (with the prompt count and the evaluation's time
+    from `since`), which is then written. Returns the number of prompts."""
+    target = prep.eval_target()
+    chosen = prep.eval_prompts(settings)
+    eos = prep.tokenizer.eos_token_ids
+    for name, make in drafters.items():
+        tau = measure_tau(target, lambda make=make: make(target), chosen, settings.eval_tokens, eos)
+        report[name] = round(tau, 3)
+    report.update(tau_prompts=len(chosen), eval_s=round(time.perf_counter() - since, 1))
+    return len(chosen)
+
+
 def run_figures(
     prep: Prepared, settings: Common, figures: dict[str, float], train_s: float
 ) -> dict[str, Any]:

@@ -41,30 +41,15 @@ from torch import Tensor
 
 from specdecode.drafters.redrafter import ReDrafter, ReDrafterHead, load_head, save_head
 from specdecode.errors import SpecDecodeError
+from specdecode.train import pipeline
 from specdecode.train.features import Features
-from specdecode.train.pipeline import (
-    IGNORE,
-    STATE,
-    Common,
-    RecentMean,
-    add_common_args,
-    draft_columns,
-    fingerprint,
-    measure_tau,
-    prepare,
-    print_done,
-    run_figures,
-    settings_from_args,
-    total_steps,
-    train_loop,
-    write_report,
-)
+from specdecode.train.pipeline import IGNORE
 
 DEPTH_DECAY = 0.8
 
 
 @dataclass(frozen=True)
-class TrainSettings(Common):
+class TrainSettings(pipeline.Common):
     """Everything a run depends on; `specdecode train redrafter --help` describes each."""
 
     num_layers: int = 2
@@ -188,14 +173,14 @@ def fit(
     target's, frozen, `lm_weight` in the compute dtype. Returns the mean loss of the last 50
     steps and the last batch's depth-1 accuracy."""
     device = lm_weight.device
-    lm_weight, column = draft_columns(lm_weight, head.draft_vocab if head.lm_head is None else None)
+    lm_weight, column = pipeline.draft_columns(lm_weight, head.draft_vocab if head.lm_head is None else None)
     if lm_weight.is_inference():  # made under inference_mode (a cached tied head): autograd needs a copy
         lm_weight = lm_weight.clone()
     embedding = embedding.detach().float()
     keys = ("model", "num_layers", "depth", "distill", "lr", "batch_size", "seed", "dtype", "draft_vocab")
-    total = total_steps(settings, len(data))
+    total = pipeline.total_steps(settings, len(data))
     optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
-    recent = RecentMean()
+    recent = pipeline.RecentMean()
     figures = {"loss": float("nan"), "acc1": float("nan")}
 
     def step(idx: Tensor) -> dict[str, float]:
@@ -222,14 +207,14 @@ def fit(
         figures.update(loss=recent.add(float(loss.detach())), acc1=hits1 / max(int(valid1.sum()), 1))
         return {"loss": recent.values[-1], "acc1": figures["acc1"]}
 
-    train_loop(
+    pipeline.train_loop(
         head,
         optimizer,
         step,
         num_items=len(data),
         settings=settings,
         state_file=state_file,
-        fingerprint=fingerprint(settings, keys, positions=len(data), total=total),
+        fingerprint=pipeline.fingerprint(settings, keys, positions=len(data), total=total),
         desc="redrafter",
         on_step=on_step,
     )
@@ -245,7 +230,7 @@ def top1_by_depth(
     hits = torch.zeros(data.depth)
     counts = torch.zeros(data.depth)
     embedding = embedding.float()
-    lm_weight, column = draft_columns(lm_weight, head.draft_vocab if head.lm_head is None else None)
+    lm_weight, column = pipeline.draft_columns(lm_weight, head.draft_vocab if head.lm_head is None else None)
     for s in range(0, len(data), chunk):
         tokens = data.tokens[s : s + chunk].to(lm_weight.device)  # (B, D+1)
         context = data.hidden[data.rows[s : s + chunk]].to(lm_weight.device, torch.float32)  # (B, C)
@@ -262,7 +247,7 @@ def top1_by_depth(
 def train(settings: TrainSettings) -> dict[str, Any]:
     """The whole pipeline; returns (and writes to OUT/report.json) what it measured."""
     started = time.perf_counter()
-    prep = prepare(settings)
+    prep = pipeline.prepare(settings)
     target, out, device = prep.target, prep.out, prep.device
     cfg = target.config
     train_set, held_set = positions(prep.train, settings.depth), positions(prep.heldout, settings.depth)
@@ -281,7 +266,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         head.draft_vocab = draft_vocabulary(prep.train, settings.draft_vocab, cfg.vocab_size).to(device)
         vocab_share = coverage(prep.heldout, head.draft_vocab.cpu())
     t0 = time.perf_counter()
-    figures = fit(head, embedding, lm_weight, train_set, settings, out / "cache" / STATE)
+    figures = fit(head, embedding, lm_weight, train_set, settings, out / "cache" / pipeline.STATE)
     train_s = time.perf_counter() - t0
 
     top1 = [round(a, 4) for a in top1_by_depth(head, embedding, lm_weight, held_set)]
@@ -292,37 +277,30 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         "heldout_positions": len(held_set),
         "train_positions": len(train_set),
         "train_samples": len(prep.train),
-        **run_figures(prep, settings, figures, train_s),
+        **pipeline.run_figures(prep, settings, figures, train_s),
     }
     save_head(head, out, target=settings.model, extra={"training": report})
 
     # τ of real decoding with the saved (float16) drafter on the float32 target, as users run it.
     t0 = time.perf_counter()
-    eval_target = prep.eval_target()
     shipped = load_head(out, torch.float32, device)
-    chosen = prep.eval_prompts(settings)
-    tau = measure_tau(
-        eval_target, lambda: ReDrafter(shipped, eval_target, settings.beam_width, beam_length), chosen,
-        settings.eval_tokens, prep.tokenizer.eos_token_ids,
-    )  # fmt: skip
-    report.update(
-        heldout_tau=round(tau, 3), tau_prompts=len(chosen), eval_s=round(time.perf_counter() - t0, 1)
-    )
-    write_report(prep, report, started)
+    makers = {"heldout_tau": lambda t: ReDrafter(shipped, t, settings.beam_width, beam_length)}
+    prompts = pipeline.heldout_tau(prep, settings, report, makers, t0)
+    pipeline.write_report(prep, report, started)
     save_head(head, out, target=settings.model, extra={"training": report})
     print(f"held-out top-1 accuracy per depth (teacher-forced): {' '.join(f'{a:.3f}' for a in top1)}")
     size = head.draft_vocab.numel() or cfg.vocab_size
     print(f"draft vocabulary: {size} tokens, {vocab_share:.1%} of the held-out answers' tokens")
     print(
-        f"held-out τ (greedy ReDrafter decoding, {len(chosen)} prompts, {settings.eval_tokens} tokens, "
-        f"beam_width {settings.beam_width}, beam_length {beam_length}): {tau:.3f}"
+        f"held-out τ (greedy ReDrafter decoding, {prompts} prompts, {settings.eval_tokens} tokens, "
+        f"beam_width {settings.beam_width}, beam_length {beam_length}): {report['heldout_tau']:.3f}"
     )
-    print_done(prep, report, train_s, "drafter")
+    pipeline.print_done(prep, report, train_s, "drafter")
     return report
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    d = add_common_args(p, TrainSettings)
+    d = pipeline.add_common_args(p, TrainSettings)
     p.add_argument("--num-layers", type=int, default=d.num_layers, help="residual blocks")
     p.add_argument(
         "--depth", type=int, default=d.depth, help="tokens predicted per position (beam_length - 1)"
@@ -337,7 +315,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main_args(args: argparse.Namespace) -> None:
-    settings = settings_from_args(TrainSettings, args)
+    settings = pipeline.settings_from_args(TrainSettings, args)
     if args.depth < 1 or args.beam_width < 1:
         raise SpecDecodeError(f"--depth and --beam-width must be >= 1, got {args.depth}, {args.beam_width}")
     if args.num_layers < 0 or args.draft_vocab < 0:

@@ -8,9 +8,10 @@ each weight once for up to 12 rows, so a forward over 8 new tokens costs about w
 It also makes a row's result independent of the other rows of the batch (see the .cpp).
 
 The kernel is compiled on first use with the machine's C++ compiler into the cache directory
-(about a second) and called through ctypes. Where it cannot be had (no AVX-512, no compiler,
-`SPECDECODE_CPU_KERNELS=0`), `tiled_matmul` falls back to a batched matmul over the tiles,
-which is as fast as `x @ W` for large M and gives the same values up to rounding.
+(about a second) and called through ctypes: this module is the only one that does. Where it
+cannot be had (no AVX-512, no compiler), `tiled_matmul` falls back to a batched matmul over the
+tiles, which is as fast as `x @ W` for large M and gives the same values up to rounding. The
+layers reach these functions only through the kernel interface (`kernels/cpu.py`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ MAX_KERNEL_ROWS = 64
 MAX_KERNEL_ROWS_BF16 = 24
 BF16_CALL_ROWS = 64 * 12  # the most rows one call of the bf16 kernel takes
 _SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
-ENV_SWITCH = "SPECDECODE_CPU_KERNELS"
 
 
 def _cpu_flags() -> str:
@@ -59,8 +59,6 @@ def _compile(compiler: str, source: Path, out: Path) -> None:
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they cannot run here."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return None
     flags = _cpu_flags()
     if platform.machine().lower() not in ("x86_64", "amd64") or "avx512f" not in flags.split():
         return None

@@ -1,13 +1,15 @@
-"""The few-row CPU kernel: same products as `x @ W`, each row independent of its batch, and a
-tiled model that decodes exactly as the untiled one."""
+"""The kernels: the few-row CPU kernels give the same products as `x @ W`, each row independent of
+its batch, and a model bound to them decodes exactly as one bound to PyTorch's."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specdecode.models import cpu_gemm
-from specdecode.models.transformer import Dense, Transformer
+from specdecode.kernels import REFERENCE, cpu_gemm
+from specdecode.kernels.cpu import cpu_kernels
+from specdecode.layers.linear import Dense
+from specdecode.models.transformer import Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,30 +51,34 @@ def test_fallback_when_gradients_are_needed() -> None:
     torch.testing.assert_close(cpu_gemm.untile_weight(tiles.grad), x.sum(0, keepdim=True).T.expand(64, 96))
 
 
-def test_dense_tile_keeps_its_function_and_bias() -> None:
+@pytest.mark.parametrize("kernels", ["reference", "cpu"])
+def test_dense_bound_to_kernels_keeps_its_function_and_bias(kernels: str) -> None:
+    chosen = REFERENCE if kernels == "reference" else cpu_kernels()
+    if chosen is None:
+        pytest.skip("no CPU kernels here (no AVX-512 CPU or C++ compiler)")
     dense = Dense(64, 96, bias=True)
     with torch.no_grad():
         dense.bias.normal_()
     x = torch.randn(2, 3, 64)
     before, matrix = dense(x), dense.weight_t.detach().clone()
-    assert dense.tile()
-    assert not hasattr(dense, "weight_t") and dense.weight_tiles is not None
+    dense.bind_kernels(chosen)
+    assert dense.kernel is chosen.linears[0]
     assert torch.equal(dense.matrix(), matrix)
     torch.testing.assert_close(dense(x), before, rtol=1e-5, atol=1e-5)
-    assert not Dense(64, 100).tile()  # 100 columns do not split into tiles: left as it was
+    narrow = Dense(64, 100)  # 100 columns do not split into tiles: the reference kernel takes it
+    narrow.bind_kernels(chosen)
+    assert narrow.kernel is chosen.linears[-1] and narrow.kernel.name == "torch"
 
 
 @needs_kernel
 def test_tiled_model_matches_untiled(tiny_model_dir) -> None:
-    """Loading tiles a CPU float32 model; its forward equals the untiled model's."""
+    """Loading binds a CPU float32 model to the CPU kernels; its forward equals the forward of
+    the same model bound to PyTorch's."""
     tiled = Transformer.from_dir(tiny_model_dir)
-    assert tiled.layers[0].qkv.weight_tiles is not None
+    assert tiled.kernels.name == "cpu-avx512" and tiled.layers[0].qkv.weight_packed is not None
     plain = Transformer.from_dir(tiny_model_dir)
-    for layer in plain.layers:
-        for dense in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            matrix = dense.matrix().contiguous()
-            dense.weight_tiles = None
-            dense.weight_t = torch.nn.Parameter(matrix, requires_grad=False)
+    plain.bind_kernels(REFERENCE)
+    assert plain.layers[0].qkv.kernel.name == "torch"
     ids = torch.randint(0, tiled.config.vocab_size, (1, 20))
     pos = torch.arange(20)[None]
     with torch.inference_mode():
@@ -107,7 +113,10 @@ def test_bf16_dense_tiles_for_few_rows_and_untiles_for_many() -> None:
     with torch.no_grad():
         dense.bias.normal_()
     matrix = dense.weight_t.detach().clone()
-    assert dense.tile() and dense.weight_tiles is not None and dense.weight_tiles.dim() == 4
+    kernels = cpu_kernels()
+    assert kernels is not None
+    dense.bind_kernels(kernels)
+    assert dense.weight_packed is not None and dense.weight_packed.dim() == 4
     assert torch.equal(dense.matrix(), matrix)
     for m in (3, 40):  # the kernel, then the untiled bf16 matmul
         x = torch.randn(m, 64).bfloat16()

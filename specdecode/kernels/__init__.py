@@ -1,0 +1,47 @@
+"""The kernel boundary: every layer of a model computes through one `Kernels`, chosen at load time.
+
+A `Kernels` names what a layer needs and nothing about the model: linear products over weights in
+a layout the kernel chose (`LinearKernel`: pack once, multiply many times), an RMS norm, attention
+over listed cache slots, and the approximate (bfloat16) product drafts and the greedy screen use.
+`select` picks one for a device and dtype once; the layers hold it and never look at the CPU, the
+dtype or a library again. Two exist today:
+
+- `REFERENCE` / `EXACT`: PyTorch's own ops, on any device and dtype (what the CPU kernels fall
+  back to and are tested against), with and without an approximate bfloat16 product;
+- the CPU kernels (`cpu.py`, over the ctypes library in `cpu_gemm.py`): few-row float32 and
+  bfloat16 matmuls on 32-column tiles, a fused RMS norm and row attention, where the CPU and a
+  compiler allow.
+
+Quantized weight formats and a CUDA step plug in here as further `LinearKernel`s and `Kernels`.
+Nothing outside this package calls a compiled library.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specdecode.errors import SpecDecodeError
+from specdecode.kernels.base import AttendRows, Kernels, LinearKernel
+from specdecode.kernels.reference import EXACT, REFERENCE
+
+__all__ = ["EXACT", "REFERENCE", "AttendRows", "Kernels", "LinearKernel", "select"]
+
+ENV_SWITCH = "SPECDECODE_CPU_KERNELS"
+
+
+def select(device: torch.device | str) -> Kernels:
+    """The kernels a model on `device` runs on: on a CPU our kernels where they can be had here
+    (and `SPECDECODE_CPU_KERNELS` is not 0), else PyTorch's; elsewhere PyTorch's exact ops."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return EXACT
+    switch = os.environ.get(ENV_SWITCH, "1")
+    if switch not in ("0", "1"):
+        raise SpecDecodeError(f"{ENV_SWITCH} must be 0 or 1, not {switch!r}")
+    if switch == "0":
+        return REFERENCE
+    from specdecode.kernels.cpu import cpu_kernels
+
+    return cpu_kernels() or REFERENCE

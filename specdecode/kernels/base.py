@@ -1,0 +1,103 @@
+"""What a kernel set provides: the interface the layers compute through (see the package doc)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+class LinearKernel(Protocol):
+    """y = x @ W for a weight W (in, out) held in the kernel's own layout.
+
+    `pack` turns W into that layout once, when a model is loaded; `matmul` runs every forward.
+    `rounds_output` says whether the products come back rounded to bfloat16 (oneDNN's bf16
+    matmul does), which bounds how far an approximate product may be from the exact one."""
+
+    name: str
+    rounds_output: bool
+
+    def accepts(self, weight_t: Tensor) -> bool:
+        """Whether `pack` can take this (in, out) weight (shape, dtype, device)."""
+        ...
+
+    def pack(self, weight_t: Tensor) -> Tensor:
+        """(in, out) -> the kernel's layout. A fresh tensor: the caller drops the original."""
+        ...
+
+    def unpack(self, packed: Tensor) -> Tensor:
+        """The kernel's layout -> (in, out), in the packed dtype (a copy where it must be)."""
+        ...
+
+    def matmul(self, x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x (M, in) @ W (+ bias) -> (M, out): float32 on the approximate path, else x's dtype."""
+        ...
+
+
+class AttendRows(Protocol):
+    """Attention of listed rows over listed cache slots, straight from a paged or static cache,
+    rotary applied to the new rows inside (the CPU kernel's contract: see `cpu_gemm.attend_rows`)."""
+
+    head_dims: tuple[int, ...]
+
+    def __call__(
+        self,
+        q: Tensor,  # (H, T, D)
+        k: Tensor,  # (H_kv, T, D) the new keys
+        v: Tensor,  # (H_kv, T, D) the new values
+        cache_k: Tensor,  # (H_kv, S, D) the layer's key slots
+        cache_v: Tensor,  # (H_kv, S, D)
+        rows: Tensor,  # (R,) long: which of the T rows to compute
+        new_slots: Tensor,  # (R,) long: the slot each row's key/value is stored at
+        row_ptr: Tensor,  # (R+1,) long: CSR offsets into `idx`
+        idx: Tensor,  # (nnz,) long: the slots each row sees
+        out: Tensor,  # (T, H, D): rows `rows` are written
+        cos: Tensor,  # (T, D)
+        sin: Tensor,  # (T, D)
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The kernels of one model, chosen once at load time (`specdecode.kernels.select`).
+
+    - `linears`: candidates for a layer's weight, tried in order (the first that accepts it packs
+      it); the last accepts anything.
+    - `approx`: candidates for the approximate product of drafts and of the greedy screen (inputs
+      and weights rounded to bfloat16), packed from a float32 (in, out) weight; the last accepts
+      any.
+    - `rms_norm(x, weight, eps)`: for float32 inputs (others normalise in the layer).
+    - `attend_rows`: the row-attention kernel, or None: then SDPA runs every segment.
+    - `fast_bf16`: bfloat16 weights run faster than float32 ones here (what an "auto" draft
+      model's dtype follows).
+    """
+
+    name: str
+    linears: tuple[LinearKernel, ...]
+    approx: tuple[LinearKernel, ...]
+    rms_norm: Callable[[Tensor, Tensor, float], Tensor]
+    attend_rows: AttendRows | None = None
+    fast_bf16: bool = False
+
+    def linear_for(self, weight_t: Tensor) -> LinearKernel:
+        """The first linear kernel that takes this (in, out) weight."""
+        return next(k for k in self.linears if k.accepts(weight_t))
+
+    def approx_for(self, weight_t: Tensor) -> LinearKernel:
+        """The first approximate kernel that takes this (in, out) weight."""
+        return next(k for k in self.approx if k.accepts(weight_t))
+
+    def attends(self, q: Tensor) -> bool:
+        """Whether `attend_rows` takes these queries (B, H, T, D): one float32 sequence row on the
+        kernel's device, a head size it was built for, no gradients wanted."""
+        return (
+            self.attend_rows is not None
+            and q.dtype == torch.float32
+            and q.is_cpu
+            and q.shape[0] == 1
+            and q.shape[-1] in self.attend_rows.head_dims
+            and not (torch.is_grad_enabled() and q.requires_grad)
+        )

@@ -1,0 +1,112 @@
+"""Our CPU kernels behind the kernel interface (the compiled functions are in `cpu_gemm`).
+
+- `TiledF32`: float32 weights in 32-column tiles, each read once for up to 12 rows, so a forward
+  over the handful of tokens a speculative step verifies costs about what a one-token forward
+  does; a row's products do not depend on the other rows.
+- `TiledBF16`: bfloat16 weights in the bf16 kernel's tiles (AVX512_BF16, float32 sums) for a
+  few rows; a prefill chunk goes through oneDNN, which blocks over many rows far better. The
+  same kernel is the approximate product of drafts and of the greedy screen.
+- the fused RMS norm and the row-attention kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from specdecode.kernels import cpu_gemm
+from specdecode.kernels.base import Kernels
+from specdecode.kernels.reference import REFERENCE, TorchApprox
+from specdecode.kernels.reference import rms_norm as torch_rms_norm
+
+
+class TiledF32:
+    name: ClassVar[str] = "cpu-f32-tiles"
+    rounds_output: ClassVar[bool] = False
+
+    def accepts(self, weight_t: Tensor) -> bool:
+        return weight_t.dtype == torch.float32 and weight_t.is_cpu and weight_t.shape[1] % cpu_gemm.TILE == 0
+
+    def pack(self, weight_t: Tensor) -> Tensor:
+        return cpu_gemm.tile_weight(weight_t.detach())  # (N/32, K, 32)
+
+    def unpack(self, packed: Tensor) -> Tensor:
+        return cpu_gemm.untile_weight(packed)
+
+    def matmul(self, x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
+        y = cpu_gemm.tiled_matmul(x, packed)
+        if bias is not None:
+            y += bias
+        return y
+
+
+class TiledBF16:
+    name: ClassVar[str] = "cpu-bf16-tiles"
+    rounds_output: ClassVar[bool] = False
+
+    def accepts(self, weight_t: Tensor) -> bool:
+        k, n = weight_t.shape
+        return weight_t.is_floating_point() and weight_t.is_cpu and n % cpu_gemm.TILE == 0 and k % 2 == 0
+
+    def pack(self, weight_t: Tensor) -> Tensor:
+        return cpu_gemm.tile_weight_bf16(weight_t.detach())  # (N/32, K/2, 32, 2) bfloat16
+
+    def unpack(self, packed: Tensor) -> Tensor:
+        return cpu_gemm.untile_weight_bf16(packed)
+
+    def matmul(self, x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
+        if x.shape[0] <= cpu_gemm.MAX_KERNEL_ROWS_BF16:
+            y = cpu_gemm.tiled_matmul_bf16(x, packed)  # float32 sums
+        else:  # a prefill chunk: oneDNN's bf16 matmul
+            y = x.to(torch.bfloat16) @ cpu_gemm.untile_weight_bf16(packed)
+        if bias is not None:
+            y += bias
+        return y
+
+
+class BF16Only:
+    """`TiledBF16` for bfloat16 weights only: what a bfloat16 model's layers pack into."""
+
+    def __init__(self, tiles: TiledBF16) -> None:
+        self.tiles = tiles
+        self.name, self.rounds_output = tiles.name, tiles.rounds_output
+        self.pack, self.unpack = tiles.pack, tiles.unpack
+
+    def accepts(self, weight_t: Tensor) -> bool:
+        return weight_t.dtype == torch.bfloat16 and self.tiles.accepts(weight_t)
+
+    def matmul(self, x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
+        y = self.tiles.matmul(x, packed).to(x.dtype)
+        if bias is not None:
+            y += bias
+        return y
+
+
+class AttendRows:
+    head_dims: tuple[int, ...] = cpu_gemm.ATTENTION_HEAD_DIMS
+
+    def __call__(self, *args: Tensor) -> None:
+        cpu_gemm.attend_rows(*args)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """One fused kernel instead of six (torch's costs ~40 us): decoding is op-bound too."""
+    y = cpu_gemm.rms_norm(x, weight, eps)
+    return y if y is not None else torch_rms_norm(x, weight, eps)
+
+
+@functools.cache
+def cpu_kernels() -> Kernels | None:
+    """Our CPU kernels, or None where the compiled library cannot run here (no AVX-512 or no
+    compiler). bfloat16 weights and the approximate product use the bf16 kernel where the CPU
+    has AVX512_BF16, else PyTorch's bfloat16 matmul."""
+    if cpu_gemm.kernel() is None:
+        return None
+    bf16 = cpu_gemm.kernel_bf16() is not None
+    linears = (TiledF32(), BF16Only(TiledBF16())) if bf16 else (TiledF32(),)
+    approx = (TiledBF16(), TorchApprox()) if bf16 else (TorchApprox(),)
+    linears = (*linears, *REFERENCE.linears)
+    return Kernels("cpu-avx512", linears, approx, rms_norm, AttendRows(), fast_bf16=bf16)

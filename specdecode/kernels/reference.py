@@ -1,0 +1,65 @@
+"""PyTorch's own ops behind the kernel interface: any device, any dtype, and autograd.
+
+This is what runs where no faster kernel does (a GPU today, a CPU without our kernels, training),
+and what the faster kernels are tested against."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specdecode.kernels.base import Kernels
+
+
+class TorchLinear:
+    """W kept as (in, out): for the few rows of decoding, `x @ W_t` runs up to 2x faster on CPU
+    than `F.linear(x, W)` with the (out, in) layout (MKL, this project's machines)."""
+
+    name: ClassVar[str] = "torch"
+    rounds_output: ClassVar[bool] = False
+
+    def accepts(self, weight_t: Tensor) -> bool:
+        return True
+
+    def pack(self, weight_t: Tensor) -> Tensor:
+        return weight_t
+
+    def unpack(self, packed: Tensor) -> Tensor:
+        return packed
+
+    def matmul(self, x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
+        return x @ packed if bias is None else torch.addmm(bias, x, packed)
+
+
+class TorchApprox:
+    """The approximate product in bfloat16 through PyTorch (oneDNN on CPU), W held (out, in):
+    outputs come back rounded to bfloat16 too."""
+
+    name: ClassVar[str] = "torch-bf16"
+    rounds_output: ClassVar[bool] = True
+
+    def accepts(self, weight_t: Tensor) -> bool:
+        return weight_t.is_floating_point()
+
+    def pack(self, weight_t: Tensor) -> Tensor:
+        return weight_t.detach().t().bfloat16().contiguous()  # (out, in)
+
+    def unpack(self, packed: Tensor) -> Tensor:
+        return packed.t()
+
+    def matmul(self, x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
+        y = F.linear(x.to(packed.dtype), packed).float()
+        return y if bias is None else y + bias
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+# On a CPU the approximate bfloat16 product halves the LM head's bytes for the greedy screen; on
+# an accelerator the exact product is as cheap, so `EXACT` offers none.
+REFERENCE = Kernels("torch", (TorchLinear(),), (TorchApprox(),), rms_norm)
+EXACT = Kernels("torch-exact", (TorchLinear(),), (), rms_norm)

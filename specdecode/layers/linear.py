@@ -1,0 +1,65 @@
+"""The linear layer and the RMS norm, through the kernels bound to them."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdecode.kernels import REFERENCE, Kernels, LinearKernel
+
+
+class Dense(nn.Module):
+    """y = x @ W (+ bias). W is created (in, out) as `weight_t`, the reference kernel's layout;
+    `bind_kernels` re-stores it once, frozen, in the layout of the kernel that takes it, as
+    `weight_packed` (one copy of the weights, not two)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.empty(in_features, out_features).normal_(0, 0.02))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.register_parameter("weight_packed", None)
+        self.kernel: LinearKernel = REFERENCE.linears[-1]
+
+    def bind_kernels(self, kernels: Kernels) -> None:
+        weight_t = self.matrix().detach()
+        kernel = kernels.linear_for(weight_t)
+        if kernel.name == self.kernel.name:
+            return
+        packed = kernel.pack(weight_t)
+        if hasattr(self, "weight_t"):
+            del self.weight_t
+        self.weight_packed = nn.Parameter(packed, requires_grad=False)
+        self.kernel = kernel
+
+    def matrix(self) -> torch.Tensor:
+        """The weight as (in, out), whichever way it is stored (a copy when packed)."""
+        if self.weight_packed is None:
+            return self.weight_t
+        return self.kernel.unpack(self.weight_packed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x (..., in) -> (..., out)
+        flat = x.reshape(-1, x.shape[-1])
+        weight = self.weight_t if self.weight_packed is None else self.weight_packed
+        y = self.kernel.matmul(flat, weight, self.bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.kernels = REFERENCE
+
+    def bind_kernels(self, kernels: Kernels) -> None:
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
+        # Lower precision: normalise in float32, then scale in the weights' dtype, as the
+        # reference implementations do.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
