@@ -44,6 +44,22 @@ def save(out: Path, weights: str, tensors: dict[str, Tensor], config: dict[str, 
     return out
 
 
+def save_module(
+    out: str | Path,
+    weights: str,
+    module: nn.Module,
+    target: str,
+    dtype: torch.dtype,
+    config: dict[str, Any],
+    tensors: dict[str, Tensor] | None = None,
+) -> Path:
+    """Write a head: its state dict stored as `dtype` plus `tensors` as they are, and `config`
+    with the target's name and the stored dtype added."""
+    state = {name: t.detach().to("cpu", dtype) for name, t in module.state_dict().items()}
+    meta = {"target": target, "dtype": str(dtype).removeprefix("torch.")}
+    return save(Path(out), weights, {**state, **(tensors or {})}, {**config, **meta})
+
+
 def read_config(directory: Path) -> dict[str, Any]:
     """`directory/config.json` as a dict; {} when there is none (a reference checkpoint may lack it)."""
     file = directory / CONFIG

@@ -180,14 +180,10 @@ def save_head(
     extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write `head` in specdecode's layout to the directory `out`; weights stored as `dtype`."""
-    tensors = {n: t.detach().to("cpu", dtype) for n, t in head.state_dict().items()}
-    if head.draft_vocab is not None:
-        tensors[DRAFT_VOCAB] = head.draft_vocab.to("cpu", torch.int64)
-    config = {**head.config(), "target": target, "dtype": str(dtype).removeprefix("torch.")}
-    if head.choices is not None:
-        config["eagle_choices"] = head.choices
-    config.update(extra or {})
-    return checkpoint.save(Path(out), WEIGHTS, tensors, config)
+    vocab = {} if head.draft_vocab is None else {DRAFT_VOCAB: head.draft_vocab.to("cpu", torch.int64)}
+    fitted = {} if head.choices is None else {"eagle_choices": head.choices}
+    config = {**head.config(), **fitted, **(extra or {})}
+    return checkpoint.save_module(out, WEIGHTS, head, target, dtype, config, vocab)
 
 
 def _load_ours(path: Path, config: dict[str, Any]) -> EagleHead:

@@ -153,12 +153,9 @@ def save_heads(
     extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write `heads` in specdecode's layout to the directory `out`; weights stored as `dtype`."""
-    tensors = {name: t.detach().to("cpu", dtype) for name, t in heads.state_dict().items()}
-    config = {**heads.config(), "target": target, "dtype": str(dtype).removeprefix("torch.")}
-    if heads.choices is not None:
-        config["medusa_choices"] = heads.choices
-    config.update(extra or {})
-    return checkpoint.save(Path(out), WEIGHTS, tensors, config)
+    fitted = {} if heads.choices is None else {"medusa_choices": heads.choices}
+    config = {**heads.config(), **fitted, **(extra or {})}
+    return checkpoint.save_module(out, WEIGHTS, heads, target, dtype, config)
 
 
 def _load_ours(path: Path, config: dict[str, Any]) -> MedusaHeads:

@@ -266,11 +266,9 @@ def save_head(
     extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write `head` in specdecode's layout to the directory `out`; weights stored as `dtype`."""
-    tensors = {name: t.detach().to("cpu", dtype) for name, t in head.state_dict().items()}
-    if head.draft_vocab.numel():
-        tensors["draft_vocab"] = head.draft_vocab.to("cpu")
-    config = {**head.config(), "target": target, "dtype": str(dtype).removeprefix("torch."), **(extra or {})}
-    return checkpoint.save(Path(out), WEIGHTS, tensors, config)
+    vocab = {"draft_vocab": head.draft_vocab.to("cpu")} if head.draft_vocab.numel() else {}
+    config = {**head.config(), **(extra or {})}
+    return checkpoint.save_module(out, WEIGHTS, head, target, dtype, config, vocab)
 
 
 def _build(config: dict[str, Any], source: Path, layers_key: str, shared: bool) -> ReDrafterHead:
