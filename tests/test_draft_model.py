@@ -39,7 +39,7 @@ from specdecode.spec_config import DraftModelConfig, PromptLookupConfig
 from specdecode.tree import DraftTree
 from tests.alone import alone, together
 from tests.stats import chi_square_sf
-from tests.tiny import make_tiny_hf
+from tests.tiny import make_tiny_hf, randomized
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,13 +60,7 @@ def tiny_transformer(
         max_position_embeddings=context,
         tie_word_embeddings=True,
     )
-    torch.manual_seed(seed)
-    model = Transformer(config)
-    with torch.no_grad():  # larger weights than the default init: logits far from uniform
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, std)
-    return model.eval()
+    return randomized(lambda: Transformer(config), seed, std, matrices_only=True)
 
 
 def config(k: int, use_draft_logits: bool = True) -> DraftModelConfig:

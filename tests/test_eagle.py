@@ -48,6 +48,7 @@ from tests.test_draft_model import (
     tiny_transformer,
 )
 from tests.test_train import check_trained_run, random_samples, write_sharegpt
+from tests.tiny import randomized
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -69,12 +70,7 @@ DRAFTERS: dict[str, Make] = {
 
 
 def random_head(model: Transformer, seed: int = 0, std: float = 0.3) -> EagleHead:
-    torch.manual_seed(seed)
-    head = EagleHead.for_target(model.config)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, std)
-    return head.eval()
+    return randomized(lambda: EagleHead.for_target(model.config), seed, std)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ from tests.test_draft_model import (
     sample_outputs,
 )
 from tests.test_draft_model import tiny_transformer as small_transformer
-from tests.tiny import copy_with_chat_tokenizer, make_tiny_hf
+from tests.tiny import copy_with_chat_tokenizer, make_tiny_hf, randomized
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -62,12 +62,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def random_heads(model: Transformer, num_heads: int = 3, seed: int = 0, std: float = 0.3) -> MedusaHeads:
     """Heads that draft something other than the target's next token (untrained heads would
     all repeat the LM head's guess)."""
-    torch.manual_seed(seed)
-    heads = MedusaHeads(num_heads, 1, model.config.hidden_size, model.config.vocab_size)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.normal_(0, std)
-    return heads.eval()
+    c, v = model.config.hidden_size, model.config.vocab_size
+    return randomized(lambda: MedusaHeads(num_heads, 1, c, v), seed, std)
 
 
 PROMPTS = {
@@ -253,11 +249,8 @@ def test_reference_layout_drafts_like_our_format(target: Transformer, tmp_path: 
     from safetensors.torch import save_file
 
     cfg = target.config
-    torch.manual_seed(layers)
-    heads = MedusaHeads(3, layers, cfg.hidden_size, cfg.vocab_size, shared_lm_head=False)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.normal_(0, 0.3)
+    c, v = cfg.hidden_size, cfg.vocab_size
+    heads = randomized(lambda: MedusaHeads(3, layers, c, v, shared_lm_head=False), layers, 0.3)
     save_heads(heads, tmp_path / "ours", target="tiny", dtype=torch.float32)
     reference = {"medusa_num_heads": 3, "medusa_num_layers": layers, "base_model_name_or_path": "tiny"}
     for name in ("safetensors", "pt"):

@@ -53,19 +53,15 @@ from tests.test_draft_model import (
     sample_outputs,
 )
 from tests.test_draft_model import tiny_transformer as small_transformer
-from tests.tiny import copy_with_chat_tokenizer, make_tiny_hf
+from tests.tiny import copy_with_chat_tokenizer, make_tiny_hf, randomized
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_head(model: Transformer, seed: int = 0, std: float = 0.3, **kwargs: object) -> ReDrafterHead:
     """A drafter that drafts something other than the target's next token."""
-    torch.manual_seed(seed)
-    head = ReDrafterHead(model.config.hidden_size, model.config.vocab_size, **kwargs)  # type: ignore[arg-type]
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, std)
-    return head.eval()
+    c, v = model.config.hidden_size, model.config.vocab_size
+    return randomized(lambda: ReDrafterHead(c, v, **kwargs), seed, std)  # type: ignore[arg-type]
 
 
 PROMPTS = {

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
+from torch import nn
+
+M = TypeVar("M", bound=nn.Module)
 
 # Both architectures share the sizes: the differences are the ones each family's real configs have.
 _SIZES = dict(
@@ -27,6 +32,19 @@ TINY = {
         _SIZES, model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False
     ),
 }
+
+
+def randomized(make: Callable[[], M], seed: int, std: float, matrices_only: bool = False) -> M:
+    """`make()` under `seed`, its parameters (or only its matrices) redrawn from N(0, std^2), in
+    eval mode: larger weights than the default init, so outputs are far from uniform (and drafter
+    heads draft something other than the target's next token)."""
+    torch.manual_seed(seed)
+    module = make()
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.dim() == 2 or not matrices_only:
+                p.normal_(0, std)
+    return module.eval()
 
 
 def make_tiny_hf(arch: str, out: Path, seed: int = 0):
