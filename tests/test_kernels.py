@@ -212,3 +212,19 @@ def test_attention_kernel_rotates_queries_and_keys_bitwise_as_torch(d: int) -> N
     )  # fmt: skip
     assert torch.equal(out, want)
     assert torch.equal(cache_k[:, case["new_slots"]], rotated["k"])
+
+
+@pytest.mark.parametrize("m", [1, 24, 25, 64, 200])
+def test_approximate_product_keeps_float32_sums_at_any_row_count(m: int) -> None:
+    """The greedy screen's error bound assumes the approximate product rounds only its operands:
+    at every row count (a batch of 64 decoding requests too), never its outputs."""
+    kernels = cpu_kernels()
+    if kernels is None or cpu_gemm.kernel_bf16() is None:
+        pytest.skip("no AVX512_BF16 CPU kernels here")
+    gen = torch.Generator().manual_seed(m)
+    x, w = torch.randn(m, 576, generator=gen), torch.randn(576, 960, generator=gen) * 0.05
+    kernel = kernels.approx_for(w)
+    assert not kernel.rounds_output
+    got = kernel.matmul(x, kernel.pack(w))
+    want = x.bfloat16().double() @ w.bfloat16().double()
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-4)

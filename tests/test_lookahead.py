@@ -23,11 +23,11 @@ from specdecode.drafters.base import Proposal, SamplingVerifier, StepResult
 from specdecode.drafters.lookahead import (
     LookaheadDrafter,
     NgramPool,
-    make_lookahead_drafter,
     ngram_tree,
     window_layout,
 )
 from specdecode.engine.config import EngineConfig
+from specdecode.engine.drafter_factory import DrafterFactory
 from specdecode.engine.llm_engine import EngineRequest, LLMEngine
 from specdecode.models.transformer import Transformer
 from specdecode.request import Request
@@ -106,7 +106,7 @@ def test_greedy_output_equals_plain_decoding(tiny: Transformer, wng: tuple[int, 
             assert proposal.tree.num_nodes + proposal.num_side <= drafter.max_nodes
         if config.is_plain:
             assert spec.stats.num_draft_tokens == 0
-            assert make_lookahead_drafter(config) is None
+            assert DrafterFactory(tiny).build(config) is None  # (1, 1, 0) builds no drafter
 
 
 @pytest.mark.parametrize(("context_ngrams", "realign"), [(False, False), (False, True), (True, True)])

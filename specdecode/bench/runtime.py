@@ -80,6 +80,7 @@ def run(model: str, dtype: str, new_tokens: int, repeats: int, threads: int | No
     input_ids = torch.tensor([ids], device=llm.model.device)
 
     def ours() -> list[int]:
+        llm.engine.clear_prefix_cache()  # each run prefills its prompt, as transformers' does
         return llm.generate([ids], params)[0].token_ids
 
     def theirs() -> list[int]:

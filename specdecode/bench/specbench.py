@@ -220,6 +220,9 @@ def run(
             reference: list[int] | None = None
             for m in methods:
                 tally = Tally(outputs=1)
+                # Each run starts cold, as it would alone: no blocks reused from the previous
+                # method's run of the same prompt (a prefill skipped, a drafter's prompt unseen).
+                llm.engine.clear_prefix_cache()
                 t0 = time.perf_counter()
                 if m.peer:
                     tokens = runner.run(ids, m.spec, max_tokens)

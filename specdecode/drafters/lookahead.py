@@ -264,7 +264,3 @@ class LookaheadDrafter(Drafter):
             self.pool.add(gram[0], tuple(gram[1:]))
         self._ingested = max(self._ingested, len(ids))
 
-
-def make_lookahead_drafter(config: LookaheadConfig) -> LookaheadDrafter | None:
-    """The drafter for `config`, or None for (1, 1, 0), which is plain decoding."""
-    return None if config.is_plain else LookaheadDrafter(config)

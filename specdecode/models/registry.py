@@ -91,10 +91,6 @@ REGISTRY: dict[str, RegistryEntry] = {
 }
 
 
-def model_names() -> list[str]:
-    return list(REGISTRY)
-
-
 def lookup(name: str) -> RegistryEntry:
     """The entry for a short name; an unknown one is a user error that lists the known names."""
     try:
