@@ -27,7 +27,7 @@ import torch
 
 from specdecode.request import Proposal, Request, SamplingVerifier, StepResult
 
-__all__ = ["Drafter", "Proposal", "SamplingVerifier", "StepResult"]
+__all__ = ["Drafter", "LastRowDrafter", "Proposal", "SamplingVerifier", "StepResult"]
 
 
 class Drafter(ABC):
@@ -53,3 +53,19 @@ class Drafter(ABC):
     def release(self) -> None:  # noqa: B027
         """Give back what the drafter holds outside the request (a draft model's paged KV blocks):
         the request finished, was aborted or was preempted. A later `propose` starts over."""
+
+
+class LastRowDrafter(Drafter):
+    """A drafter that drafts from the target's hidden row whose output is the current root (Medusa,
+    ReDrafter): the last prompt row after prefill, then the last accepted node's row each step."""
+
+    hidden: torch.Tensor | None = None  # (C,)
+
+    def begin(self, req: Request, prompt_hidden: torch.Tensor, start: int = 0) -> None:
+        """Keep the last prompt row: its target output is the prompt's last token, the first root
+        (none when the prefix cache served every row before the root)."""
+        self.hidden = prompt_hidden[-1].clone() if prompt_hidden.shape[0] > 0 else None
+
+    def observe(self, req: Request, result: StepResult) -> None:
+        accepted = result.verdict.accepted_nodes
+        self.hidden = result.hidden[accepted[-1] if accepted else 0].clone()

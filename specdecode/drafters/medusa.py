@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdecode.drafters import checkpoint
-from specdecode.drafters.base import Drafter, Proposal, StepResult
+from specdecode.drafters.base import LastRowDrafter, Proposal
 from specdecode.drafters.checkpoint import CONFIG
 from specdecode.errors import SpecDecodeError
 from specdecode.models.transformer import Transformer
@@ -282,7 +282,7 @@ def check_choices(choices: Sequence[Sequence[int]], num_heads: int, vocab_size: 
 # The drafter
 
 
-class MedusaDrafter(Drafter):
+class MedusaDrafter(LastRowDrafter):
     """Drafts the Medusa tree from the hidden state of the row that produced the root.
 
     Made per request. `choices` None: the heads' own fitted tree, else `default_choices`.
@@ -319,14 +319,6 @@ class MedusaDrafter(Drafter):
             )
         self.hidden: Tensor | None = None  # (C,) the row whose target output is the current root
 
-    def begin(self, req: Request, prompt_hidden: Tensor, start: int = 0) -> None:
-        """Keep the last prompt row: its target output is the prompt's last token, the first root
-        (none when the prefix cache served every row before the root)."""
-        if prompt_hidden.shape[0] > 0:
-            self.hidden = prompt_hidden[-1].clone()
-        else:
-            self.hidden = None
-
     @torch.inference_mode()
     def propose(self, req: Request) -> Proposal:
         room = req.max_len - len(req.all_ids)  # draft nodes the request's cache still holds
@@ -350,6 +342,3 @@ class MedusaDrafter(Drafter):
         n = min(tokens.shape[0], room)  # nodes are in topological order: a prefix is a tree
         return Proposal(DraftTree(tokens[:n], self.parents[:n].to(device)))
 
-    def observe(self, req: Request, result: StepResult) -> None:
-        accepted = result.verdict.accepted_nodes
-        self.hidden = result.hidden[accepted[-1] if accepted else 0].clone()

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdecode.drafters import checkpoint
-from specdecode.drafters.base import Drafter, Proposal, StepResult
+from specdecode.drafters.base import LastRowDrafter, Proposal
 from specdecode.drafters.checkpoint import CONFIG
 from specdecode.drafters.medusa import ResBlock
 from specdecode.errors import SpecDecodeError
@@ -340,7 +340,7 @@ def check_fits(head: ReDrafterHead, target: Transformer, source: str = "ReDrafte
 # The drafter
 
 
-class ReDrafter(Drafter):
+class ReDrafter(LastRowDrafter):
     """Drafts the merged beams of a beam search from the hidden state that produced the root.
 
     Made per request. `beam_length` counts the root (the reference's convention): each beam
@@ -360,14 +360,6 @@ class ReDrafter(Drafter):
         self.depth = beam_length - 1
         self.max_nodes = beam_width * self.depth
         self.hidden: Tensor | None = None  # (C,) the row whose target output is the current root
-
-    def begin(self, req: Request, prompt_hidden: Tensor, start: int = 0) -> None:
-        """Keep the last prompt row: its target output is the prompt's last token, the first root
-        (none when the prefix cache served every row before the root)."""
-        if prompt_hidden.shape[0] > 0:
-            self.hidden = prompt_hidden[-1].clone()
-        else:
-            self.hidden = None
 
     def propose(self, req: Request) -> Proposal:
         room = req.max_len - len(req.all_ids)  # draft nodes the request's cache still holds
@@ -392,6 +384,3 @@ class ReDrafter(Drafter):
             DraftTree(torch.tensor(tokens[:n], dtype=torch.long), torch.tensor(parents[:n], dtype=torch.long))
         )
 
-    def observe(self, req: Request, result: StepResult) -> None:
-        accepted = result.verdict.accepted_nodes
-        self.hidden = result.hidden[accepted[-1] if accepted else 0].clone()

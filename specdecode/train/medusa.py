@@ -144,9 +144,7 @@ def fit(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        valid0 = y[:, 0] != IGNORE  # (B,)
-        hits0 = int((logits[0].detach().argmax(-1) == y[:, 0])[valid0].sum())
-        figures.update(loss=recent.add(float(loss.detach())), acc0=hits0 / max(int(valid0.sum()), 1))
+        figures.update(loss=recent.add(float(loss.detach())), acc0=pipeline.top1(logits[0], y[:, 0]))
         return {"loss": recent.values[-1], "acc0": figures["acc0"]}
 
     pipeline.train_loop(

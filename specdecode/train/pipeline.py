@@ -420,6 +420,14 @@ def print_done(prep: Prepared, report: dict[str, Any], train_s: float, what: str
     print(f"{what} written to {prep.out}")
 
 
+def top1(logits: Tensor, labels: Tensor) -> float:
+    """Share of the labelled positions (not IGNORE) whose label is the logits' argmax:
+    `logits` (B, V), `labels` (B,)."""
+    valid = labels != IGNORE  # (B,)
+    hits = int((logits.detach().argmax(-1) == labels)[valid].sum())
+    return hits / max(int(valid.sum()), 1)
+
+
 class RecentMean:
     """Mean of the last `size` values (the loss shown and reported at the end of a run)."""
 

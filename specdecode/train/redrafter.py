@@ -202,9 +202,7 @@ def fit(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        valid1 = labels[:, 0] != IGNORE  # (B,)
-        hits1 = int((logits[:, 0].detach().argmax(-1) == labels[:, 0])[valid1].sum())
-        figures.update(loss=recent.add(float(loss.detach())), acc1=hits1 / max(int(valid1.sum()), 1))
+        figures.update(loss=recent.add(float(loss.detach())), acc1=pipeline.top1(logits[:, 0], labels[:, 0]))
         return {"loss": recent.values[-1], "acc1": figures["acc1"]}
 
     pipeline.train_loop(
