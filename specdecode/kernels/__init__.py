@@ -24,9 +24,9 @@ import torch
 
 from specdecode.errors import SpecDecodeError
 from specdecode.kernels.base import AttendRows, Kernels, LinearKernel
-from specdecode.kernels.reference import EXACT, REFERENCE
+from specdecode.kernels.reference import EXACT, REFERENCE, TORCH_LINEAR
 
-__all__ = ["EXACT", "REFERENCE", "AttendRows", "Kernels", "LinearKernel", "select"]
+__all__ = ["EXACT", "REFERENCE", "TORCH_LINEAR", "AttendRows", "Kernels", "LinearKernel", "select"]
 
 ENV_SWITCH = "SPECDECODE_CPU_KERNELS"
 

@@ -7,7 +7,7 @@
   approximate product of drafts and of the greedy screen, float32 sums at any row count (the
   screen's error bound counts on them). At 64 rows it reads the LM head in a quarter of the
   time of the float32 product.
-- `BF16Only`: a bfloat16 model's layers in the same tiles: the kernel for a few rows, oneDNN for
+- `BF16Layers`: a bfloat16 model's layers in the same tiles: the kernel for a few rows, oneDNN for
   a prefill chunk (it blocks over many rows far better).
 - the fused RMS norm and the row-attention kernel.
 """
@@ -67,20 +67,17 @@ class TiledBF16:
         return y
 
 
-class BF16Only:
-    """`TiledBF16` for bfloat16 weights only: what a bfloat16 model's layers pack into."""
+class BF16Layers(TiledBF16):
+    """The same tiles for a bfloat16 model's own layers (bfloat16 weights only), in its dtype."""
 
-    def __init__(self, tiles: TiledBF16) -> None:
-        self.tiles = tiles
-        self.name, self.rounds_output = tiles.name, tiles.rounds_output
-        self.pack, self.unpack = tiles.pack, tiles.unpack
+    name: ClassVar[str] = "cpu-bf16-layers"
 
     def accepts(self, weight_t: Tensor) -> bool:
-        return weight_t.dtype == torch.bfloat16 and self.tiles.accepts(weight_t)
+        return weight_t.dtype == torch.bfloat16 and super().accepts(weight_t)
 
     def matmul(self, x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
         if x.shape[0] <= cpu_gemm.MAX_KERNEL_ROWS_BF16:
-            y = self.tiles.matmul(x, packed).to(x.dtype)
+            y = super().matmul(x, packed).to(x.dtype)
         else:  # a prefill chunk: oneDNN's bf16 matmul
             y = x.to(torch.bfloat16) @ cpu_gemm.untile_weight_bf16(packed)
         if bias is not None:
@@ -109,7 +106,7 @@ def cpu_kernels() -> Kernels | None:
     if cpu_gemm.kernel() is None:
         return None
     bf16 = cpu_gemm.kernel_bf16() is not None
-    linears = (TiledF32(), BF16Only(TiledBF16())) if bf16 else (TiledF32(),)
+    linears = (TiledF32(), BF16Layers()) if bf16 else (TiledF32(),)
     approx = (TiledBF16(), TorchApprox()) if bf16 else (TorchApprox(),)
     linears = (*linears, *REFERENCE.linears)
     return Kernels("cpu-avx512", linears, approx, rms_norm, AttendRows(), fast_bf16=bf16)

@@ -61,5 +61,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 # On a CPU the approximate bfloat16 product halves the LM head's bytes for the greedy screen; on
 # an accelerator the exact product is as cheap, so `EXACT` offers none.
-REFERENCE = Kernels("torch", (TorchLinear(),), (TorchApprox(),), rms_norm)
-EXACT = Kernels("torch-exact", (TorchLinear(),), (), rms_norm)
+TORCH_LINEAR = TorchLinear()  # the layers' kernel until one is bound, and every set's last resort
+REFERENCE = Kernels("torch", (TORCH_LINEAR,), (TorchApprox(),), rms_norm)
+EXACT = Kernels("torch-exact", (TORCH_LINEAR,), (), rms_norm)

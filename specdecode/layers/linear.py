@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdecode.kernels import REFERENCE, Kernels, LinearKernel
+from specdecode.kernels import REFERENCE, TORCH_LINEAR, Kernels, LinearKernel
 
 
 class Dense(nn.Module):
@@ -18,7 +18,7 @@ class Dense(nn.Module):
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features).normal_(0, 0.02))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.register_parameter("weight_packed", None)
-        self.kernel: LinearKernel = REFERENCE.linears[-1]
+        self.kernel: LinearKernel = TORCH_LINEAR
 
     def bind_kernels(self, kernels: Kernels) -> None:
         weight_t = self.matrix().detach()

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from specdecode.kernels import REFERENCE, Kernels, LinearKernel
+from specdecode.kernels import REFERENCE, TORCH_LINEAR, Kernels, LinearKernel
 from specdecode.layers.linear import Dense
 
 
@@ -78,7 +78,7 @@ class LMHead:
             head_t = head_t[:, columns.to(head_t.device)]
         if head_t.dtype == torch.float32 and self.approximates:
             return ApproxHead(self.kernels.approx_for(head_t), head_t)
-        return ApproxHead(REFERENCE.linears[-1], head_t, exact=True)
+        return ApproxHead(TORCH_LINEAR, head_t, exact=True)
 
     def _approx_head(self) -> tuple[ApproxHead, float, float]:
         """The whole head's approximate copy, its max column rounding-error norm and max column
