@@ -19,6 +19,11 @@ if TYPE_CHECKING:  # the heavy imports (torch) wait until a command needs them
     from specdecode.sampling import SamplingParams
 
 DEFAULT_MODEL = "smollm2-135m"
+TRAIN_METHODS = {  # `specdecode train METHOD`: the module specdecode.train.METHOD
+    "medusa": "Medusa heads (Cai et al. 2024) from ShareGPT conversations",
+    "redrafter": "a ReDrafter (Cheng et al. 2024) from ShareGPT data",
+    "eagle": "an EAGLE head (Li et al. 2024) from ShareGPT conversations",
+}
 
 
 def _positive_int(text: str) -> int:
@@ -235,6 +240,17 @@ def _main_of(module: str) -> Callable[[argparse.Namespace], None]:
     return run
 
 
+def _train_of(method: str) -> Callable[[argparse.Namespace], None]:
+    """The command `specdecode train METHOD`."""
+
+    def run(args: argparse.Namespace) -> None:
+        from specdecode.train import pipeline
+
+        pipeline.run_method(importlib.import_module(f"specdecode.train.{method}"), args)
+
+    return run
+
+
 def _speculative_json(text: str) -> dict[str, object] | None:
     try:
         value = json.loads(text)
@@ -369,21 +385,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train drafter heads on a target model's hidden states")
     tsub = train.add_subparsers(dest="train_command", required=True)
-    medusa = tsub.add_parser("medusa", help="Medusa heads (Cai et al. 2024) from ShareGPT conversations")
-    from specdecode.train.medusa import add_args as add_medusa_args
+    from specdecode.train import pipeline
 
-    add_medusa_args(medusa)
-    medusa.set_defaults(func=_main_of("specdecode.train.medusa"))
-    redrafter = tsub.add_parser("redrafter", help="a ReDrafter (Cheng et al. 2024) from ShareGPT data")
-    from specdecode.train.redrafter import add_args as add_redrafter_args
-
-    add_redrafter_args(redrafter)
-    redrafter.set_defaults(func=_main_of("specdecode.train.redrafter"))
-    eagle = tsub.add_parser("eagle", help="an EAGLE head (Li et al. 2024) from ShareGPT conversations")
-    from specdecode.train.eagle import add_args as add_eagle_args
-
-    add_eagle_args(eagle)
-    eagle.set_defaults(func=_main_of("specdecode.train.eagle"))
+    for method, about in TRAIN_METHODS.items():
+        sub_parser = tsub.add_parser(method, help=about)
+        pipeline.add_args(sub_parser, importlib.import_module(f"specdecode.train.{method}").TrainSettings)
+        sub_parser.set_defaults(func=_train_of(method))
     return parser
 
 

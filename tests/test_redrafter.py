@@ -448,7 +448,11 @@ def test_draft_vocabulary_columns_in_training() -> None:
     cols, column = draft_columns(lm, torch.tensor([1, 4]))
     assert cols.tolist() == [[1.0, 4.0], [7.0, 10.0]] and column is not None
     assert column.tolist() == [IGNORE, 0, IGNORE, IGNORE, 1, IGNORE]
-    assert draft_columns(lm, None)[1] is None and draft_columns(lm, torch.empty(0, dtype=torch.long))[0] is lm
+    assert draft_columns(lm, None)[1] is None
+    assert draft_columns(lm, torch.empty(0, dtype=torch.long))[0].data_ptr() == lm.data_ptr()  # no copy
+    with torch.inference_mode():
+        cached = torch.ones(2, 6)  # a cached tied head is made under inference mode
+    assert not draft_columns(cached, None)[0].is_inference()  # autograd can use it
 
     torch.manual_seed(0)
     head = ReDrafterHead(2, 6, num_layers=0)

@@ -263,4 +263,3 @@ class LookaheadDrafter(Drafter):
             gram = ids[end - n : end]
             self.pool.add(gram[0], tuple(gram[1:]))
         self._ingested = max(self._ingested, len(ids))
-

@@ -341,4 +341,3 @@ class MedusaDrafter(LastRowDrafter):
         tokens = top[self.node_head.to(device), self.node_rank.to(device)]  # (N,)
         n = min(tokens.shape[0], room)  # nodes are in topological order: a prefix is a tree
         return Proposal(DraftTree(tokens[:n], self.parents[:n].to(device)))
-

@@ -383,4 +383,3 @@ class ReDrafter(LastRowDrafter):
         return Proposal(
             DraftTree(torch.tensor(tokens[:n], dtype=torch.long), torch.tensor(parents[:n], dtype=torch.long))
         )
-

@@ -34,12 +34,11 @@ dominates; matmuls run in bfloat16 (autocast; float32 master weights), as for Me
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +46,6 @@ from torch import Tensor
 
 from specdecode.drafters.eagle import EagleHead, check_fits, load_head, save_head
 from specdecode.drafters.medusa import best_tree
-from specdecode.errors import SpecDecodeError
 from specdecode.layers import bind_kernels
 from specdecode.models.transformer import Transformer
 from specdecode.train import pipeline
@@ -60,6 +58,23 @@ MAX_RANK = 10  # ranks tracked for the tree fit; deeper ranks are never worth a 
 @dataclass(frozen=True)
 class TrainSettings(pipeline.Common):
     """Everything a run depends on; `specdecode train eagle --help` describes each."""
+
+    FLAGS: ClassVar[dict[str, pipeline.Flag]] = {
+        "ce_weight": pipeline.Flag("weight of the LM-head cross-entropy", least=0, steps=True),
+        "noise": pipeline.Flag("width of the uniform noise on input features", least=0, steps=True),
+        "tree_nodes": pipeline.Flag("nodes of the fitted EAGLE-1 tree", least=1),
+        "tree_depth": pipeline.Flag("depths measured for the tree fit", least=1),
+        "draft_vocab": pipeline.Flag("token ids the head drafts from (0: all)", least=0, steps=True),
+        "unroll": pipeline.Flag(
+            "drafting steps trained from each position: 1 teacher-forces (EAGLE); n > 1 also trains "
+            "n-1 steps that read the head's own guesses, as drafting does (n times the work)",
+            least=1,
+            steps=True,
+        ),
+        "init": pipeline.Flag(
+            "start from this head directory (fine-tuning; its draft vocabulary is kept)", steps=True
+        ),
+    }
 
     epochs: int = 10
     batch_size: int = 8  # sequences per step
@@ -208,45 +223,21 @@ def fit(
     Returns the mean loss and top-1 accuracy of the last 50 steps. Matmuls run in the target's
     dtype (see `eagle_loss`); the cross-entropy runs over `head.draft_vocab` (all ids if None)."""
     device = target.device
-    lm_weight, column = pipeline.draft_columns(target.head_weight_t().detach(), head.draft_vocab)  # (C, V')
-    if lm_weight.is_inference():  # made under inference_mode (a cached tied head): autograd needs a copy
-        lm_weight = lm_weight.clone()
+    lm_weight, column = pipeline.draft_columns(target.head_weight_t(), head.draft_vocab)  # (C, V')
     embed = target.embed
-    keys = (
-        "model", "lr", "batch_size", "seed", "dtype", "ce_weight", "noise", "draft_vocab", "unroll", "init",
-    )  # fmt: skip
-    total = pipeline.total_steps(settings, len(data))
-    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
-    losses, accs = pipeline.RecentMean(), pipeline.RecentMean()
 
-    def step(idx: Tensor) -> dict[str, float]:
+    def loss_fn(idx: Tensor) -> tuple[Tensor, float]:
         chunk = batch(data, idx.tolist(), device)
         if column is not None:
             chunk.labels = column[chunk.labels]
         g = torch.Generator(device=device).manual_seed(int(idx[0]) * 7919 + settings.seed)
-        loss, acc = eagle_loss(
+        return eagle_loss(
             head, embed, lm_weight, chunk, settings.ce_weight, settings.noise, g, unroll=settings.unroll
         )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
-        optimizer.step()
-        losses.add(float(loss.detach()))
-        accs.add(acc)
-        return {"loss": losses.values[-1], "acc": accs.values[-1]}
 
-    pipeline.train_loop(
-        head,
-        optimizer,
-        step,
-        num_items=len(data),
-        settings=settings,
-        state_file=state_file,
-        fingerprint=pipeline.fingerprint(settings, keys, sequences=len(data), total=total),
-        desc="eagle",
-        on_step=on_step,
+    return pipeline.train_loop(
+        head, loss_fn, len(data), settings, state_file, on_step, metric="acc", desc="eagle", clip_norm=0.5
     )
-    return {"loss": losses.mean, "acc": accs.mean}
 
 
 def draft_vocabulary(data: Features, size: int, vocab_size: int) -> Tensor | None:
@@ -383,38 +374,3 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     )
     pipeline.print_done(prep, report, train_s, "head")
     return report
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    d = pipeline.add_common_args(p, TrainSettings)
-    p.add_argument("--ce-weight", type=float, default=d.ce_weight, help="weight of the LM-head cross-entropy")
-    p.add_argument(
-        "--noise", type=float, default=d.noise, help="width of the uniform noise on input features"
-    )
-    p.add_argument("--tree-nodes", type=int, default=d.tree_nodes, help="nodes of the fitted EAGLE-1 tree")
-    p.add_argument("--tree-depth", type=int, default=d.tree_depth, help="depths measured for the tree fit")
-    p.add_argument(
-        "--draft-vocab", type=int, default=d.draft_vocab, help="token ids the head drafts from (0: all)"
-    )
-    p.add_argument(
-        "--unroll",
-        type=int,
-        default=d.unroll,
-        help="drafting steps trained from each position: 1 teacher-forces (EAGLE); n > 1 also trains "
-        "n-1 steps that read the head's own guesses, as drafting does (n times the work)",
-    )
-    p.add_argument(
-        "--init",
-        default=None,
-        help="start from this head directory (fine-tuning; its draft vocabulary is kept)",
-    )
-
-
-def main_args(args: argparse.Namespace) -> None:
-    settings = pipeline.settings_from_args(TrainSettings, args)
-    for name in ("tree_nodes", "tree_depth", "unroll"):
-        if getattr(args, name) < 1:
-            raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.noise < 0 or args.ce_weight < 0:
-        raise SpecDecodeError("--noise and --ce-weight must be >= 0")
-    train(settings)

@@ -23,12 +23,11 @@ method's training).
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +46,12 @@ MAX_RANK = 10  # ranks tracked for the tree fit; deeper ranks are never worth a 
 @dataclass(frozen=True)
 class TrainSettings(pipeline.Common):
     """Everything a run depends on; `specdecode train medusa --help` describes each."""
+
+    FLAGS: ClassVar[dict[str, pipeline.Flag]] = {
+        "num_heads": pipeline.Flag("heads, one per future token", least=1, steps=True),
+        "num_layers": pipeline.Flag("residual blocks per head", least=0, steps=True),
+        "tree_nodes": pipeline.Flag("nodes of the fitted tree", least=1),
+    }
 
     num_heads: int = 4
     num_layers: int = 1
@@ -124,41 +129,21 @@ def fit(
 
     `lm_weight` (C, V) is the target's LM head (`head_weight_t()`) in the compute dtype. Resumes
     from `state_file` when it exists (the caller decides whether that is wanted); `on_step` and
-    Ctrl-C as in `pipeline.train_loop`. Returns the mean loss of the last 50 steps and the last
-    batch's head-0 accuracy.
+    Ctrl-C as in `pipeline.train_loop`. Returns the mean loss and head-0 accuracy of the last 50
+    steps.
     """
     device = lm_weight.device
-    if lm_weight.is_inference():  # made under inference_mode (a cached tied head): autograd needs a copy
-        lm_weight = lm_weight.clone()
-    keys = ("model", "num_heads", "num_layers", "lr", "batch_size", "seed", "dtype")
-    total = pipeline.total_steps(settings, len(data))
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=settings.lr, weight_decay=0.0)
-    recent = pipeline.RecentMean()
-    figures = {"loss": float("nan"), "acc0": float("nan")}
+    lm_weight, _ = pipeline.draft_columns(lm_weight, None)  # all columns, usable by autograd
 
-    def step(idx: Tensor) -> dict[str, float]:
+    def loss_fn(idx: Tensor) -> tuple[Tensor, float]:
         x = data.hidden[idx].to(device, torch.float32)  # (B, C)
         y = data.labels[idx].to(device)  # (B, K)
         logits = heads(x, lm_weight)  # (K, B, V)
-        loss = medusa_loss(logits, y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        figures.update(loss=recent.add(float(loss.detach())), acc0=pipeline.top1(logits[0], y[:, 0]))
-        return {"loss": recent.values[-1], "acc0": figures["acc0"]}
+        return medusa_loss(logits, y), pipeline.top1(logits[0], y[:, 0])
 
-    pipeline.train_loop(
-        heads,
-        optimizer,
-        step,
-        num_items=len(data),
-        settings=settings,
-        state_file=state_file,
-        fingerprint=pipeline.fingerprint(settings, keys, positions=len(data), total=total),
-        desc="medusa",
-        on_step=on_step,
+    return pipeline.train_loop(
+        heads, loss_fn, len(data), settings, state_file, on_step, metric="acc0", desc="medusa"
     )
-    return figures
 
 
 @torch.no_grad()
@@ -231,19 +216,3 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     )
     pipeline.print_done(prep, report, train_s, "heads")
     return report
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    d = pipeline.add_common_args(p, TrainSettings)
-    p.add_argument("--num-heads", type=int, default=d.num_heads)
-    p.add_argument("--num-layers", type=int, default=d.num_layers, help="residual blocks per head")
-    p.add_argument("--tree-nodes", type=int, default=d.tree_nodes, help="nodes of the fitted tree")
-
-
-def main_args(args: argparse.Namespace) -> None:
-    settings = pipeline.settings_from_args(TrainSettings, args)
-    if args.num_heads < 1:
-        raise SpecDecodeError(f"--num-heads must be >= 1, got {args.num_heads}")
-    if args.num_layers < 0:
-        raise SpecDecodeError(f"--num-layers must be >= 0, got {args.num_layers}")
-    train(settings)

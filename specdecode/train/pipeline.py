@@ -7,12 +7,12 @@ A method's `train` does three things; the first and the last are here:
    prompts with `self_distill`), and get the target's features for both sets from
    `OUT/cache/{train,heldout}` (computed in batches the first time, `features.extract`).
 2. the method's own positions, module and loss (Medusa, EAGLE, ReDrafter);
-3. `train_loop(...)`: AdamW steps over shuffled batches with a warm-up + cosine schedule, a
-   progress bar, a checkpoint every `save_every` steps and on Ctrl-C, and `--resume`.
+3. `train_loop(...)`: AdamW steps on the method's loss over shuffled batches with a warm-up +
+   cosine schedule, a progress bar, a checkpoint every `save_every` steps and on Ctrl-C, and `--resume`.
 
 Settings: each method's frozen `TrainSettings` dataclass subclasses `Common` with its own fields;
-`add_common_args` declares the common command-line flags and `settings_from_args` reads a
-method's flags back into its settings.
+`add_args` declares the command-line flags (the common ones, then the method's `FLAGS`) and
+`settings_from_args` reads them back into the method's settings.
 
 Determinism: batches are a function of (seed, epoch, step) and the loop checkpoints whole steps
 only, so a resumed run takes exactly the steps an uninterrupted one would and ends with the same
@@ -32,7 +32,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from types import ModuleType
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -50,9 +51,29 @@ Settings = TypeVar("Settings", bound="Common")
 
 
 @dataclass(frozen=True)
+class Flag:
+    """A method's own setting on the command line: `--field-name`, typed as its default, with
+    this help and the range of values `settings_from_args` accepts."""
+
+    help: str
+    least: float | None = None
+    most: float | None = None
+    steps: bool = False  # it shapes the training steps: a checkpoint resumes only under the same value
+
+
+@dataclass(frozen=True)
 class Common:
-    """The settings every training run has (see `add_common_args` for their meaning); a method's
-    `TrainSettings` subclasses it with its own fields and, where it needs them, other defaults."""
+    """The settings every training run has (see `add_args` for their meaning); a method's
+    `TrainSettings` subclasses it with its own fields and, where it needs them, other defaults.
+    A checkpoint resumes only under the same values of the settings that shape the steps: these
+    common ones and the method's flags marked `steps` (`resume_keys`)."""
+
+    STEP_KEYS: ClassVar[tuple[str, ...]] = ("model", "lr", "batch_size", "seed", "dtype")
+    FLAGS: ClassVar[dict[str, Flag]] = {}  # the method's own fields with a command-line flag
+
+    @classmethod
+    def resume_keys(cls) -> tuple[str, ...]:
+        return (*cls.STEP_KEYS, *(name for name, flag in cls.FLAGS.items() if flag.steps))
 
     data: str
     out: str
@@ -214,8 +235,13 @@ def prepare(settings: Common) -> Prepared:
 
 def draft_columns(lm_weight: Tensor, vocab: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """lm_weight (C, V) -> (its draft-vocabulary columns (C, V'), the column of each token id
-    (V,), IGNORE outside `vocab`); unchanged and None without a vocabulary (None or empty).
-    A drafter with a draft vocabulary softmaxes over those columns only, so training does too."""
+    (V,), IGNORE outside `vocab`); all columns and None without a vocabulary (None or empty).
+    A drafter with a draft vocabulary softmaxes over those columns only, so training does too.
+    The weight comes back usable by autograd (a copy when it was made under inference mode, as a
+    cached tied head is)."""
+    lm_weight = lm_weight.detach()
+    if lm_weight.is_inference():
+        lm_weight = lm_weight.clone()
     if vocab is None or vocab.numel() == 0:
         return lm_weight, None
     vocab = vocab.to(lm_weight.device)
@@ -253,25 +279,27 @@ def fingerprint(settings: Common, keys: Iterable[str], **extra: Any) -> str:
 
 def train_loop(
     module: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    step_fn: Callable[[Tensor], dict[str, float]],
-    *,
+    loss_fn: Callable[[Tensor], tuple[Tensor, float]],
     num_items: int,
     settings: Common,
     state_file: Path,
-    fingerprint: str,
-    desc: str,
     on_step: Callable[[int], None] | None = None,
-) -> None:
-    """Train `module` with `optimizer` for `total_steps(settings, num_items)` steps, resumably.
+    *,
+    metric: str,
+    desc: str,
+    clip_norm: float | None = None,
+) -> dict[str, float]:
+    """Train `module` with AdamW for `total_steps(settings, num_items)` steps, resumably; returns
+    `{"loss": ..., metric: ...}`, the means over the last 50 steps.
 
     Each step draws the next batch of item indices (B,) from a seeded per-epoch permutation of
-    `num_items`, sets the learning rate (`learning_rate`), and calls `step_fn(indices)`, which
-    computes the loss, back-propagates and steps the optimizer, and returns the figures shown on
-    the progress bar. `module` and `optimizer` are restored from `state_file` when it exists and
-    saved to it every `save_every` steps, at the end, and on Ctrl-C (which ends the run after the
-    step under way, so a checkpoint never holds half-updated weights; a second Ctrl-C interrupts
-    at once). `on_step(step)` runs after each step; an exception from it saves first too.
+    `num_items`, sets the learning rate (`learning_rate`), calls `loss_fn(indices)` for the loss
+    and the step's `metric` (an accuracy), back-propagates (clipping the gradient norm to
+    `clip_norm` when given) and steps the optimizer. `module` and the optimizer are restored from
+    `state_file` when it exists (it must come from the same `settings.resume_keys()` and data) and saved to
+    it every `save_every` steps, at the end, and on Ctrl-C (which ends the run after the step
+    under way, so a checkpoint never holds half-updated weights; a second Ctrl-C interrupts at
+    once). `on_step(step)` runs after each step; an exception from it saves first too.
     """
     from tqdm import tqdm
 
@@ -279,10 +307,25 @@ def train_loop(
 
     steps_per_epoch = math.ceil(num_items / settings.batch_size)
     total = total_steps(settings, num_items)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=settings.lr, weight_decay=0.0)
+    run_id = fingerprint(settings, settings.resume_keys(), items=num_items, total=total)
+    losses, metrics = RecentMean(), RecentMean()
+
+    def step_fn(idx: Tensor) -> dict[str, float]:
+        loss, value = loss_fn(idx)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip_norm)
+        optimizer.step()
+        losses.add(float(loss.detach()))
+        metrics.add(value)
+        return {"loss": losses.values[-1], metric: value}
+
     step = 0
     if state_file.is_file():
         state = torch.load(state_file, map_location="cpu", weights_only=True)
-        if state.get("fingerprint") != fingerprint:
+        if state.get("fingerprint") != run_id:
             raise SpecDecodeError(
                 f"{state_file} comes from a run with other settings or data; use another --out"
             )
@@ -292,7 +335,7 @@ def train_loop(
 
     def save() -> None:
         state = {"step": step, "module": module.state_dict(), "optimizer": optimizer.state_dict()}
-        state["fingerprint"] = fingerprint
+        state["fingerprint"] = run_id
         state_file.parent.mkdir(parents=True, exist_ok=True)
         with atomic_file(state_file) as tmp:
             torch.save(state, tmp)
@@ -341,6 +384,7 @@ def train_loop(
         module.eval()
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
+    return {"loss": losses.mean, metric: metrics.mean}
 
 
 def measure_tau(
@@ -448,9 +492,9 @@ class RecentMean:
 # Command line
 
 
-def add_common_args(p: argparse.ArgumentParser, settings: type[Settings]) -> Settings:
-    """The flags every `specdecode train METHOD` takes, with the defaults of the method's
-    `settings` class; returns those defaults (for the method's own flags)."""
+def add_args(p: argparse.ArgumentParser, settings: type[Common]) -> None:
+    """The flags of `specdecode train METHOD`: those every method takes, then the method's own
+    (`settings.FLAGS`), with the defaults of its `settings` class."""
     d = settings(data="", out="")
     p.add_argument("--model", default=d.model, help="target: short name, .gguf file or HF directory")
     p.add_argument("--data", required=True, help="ShareGPT JSON file (a cut-off file is fine)")
@@ -496,7 +540,10 @@ def add_common_args(p: argparse.ArgumentParser, settings: type[Settings]) -> Set
     p.add_argument("--feature-batch-size", type=int, default=d.feature_batch_size)
     p.add_argument("--eval-prompts", type=int, default=d.eval_prompts, help="held-out prompts for τ")
     p.add_argument("--eval-tokens", type=int, default=d.eval_tokens, help="tokens per τ prompt")
-    return d
+    for name, flag in settings.FLAGS.items():
+        default = getattr(d, name)
+        kind = str if default is None else type(default)
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default, help=flag.help)
 
 
 def settings_from_args(cls: type[Settings], args: argparse.Namespace) -> Settings:
@@ -509,7 +556,19 @@ def settings_from_args(cls: type[Settings], args: argparse.Namespace) -> Setting
             raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.skip_conversations < 0:
         raise SpecDecodeError(f"--skip-conversations must be >= 0, got {args.skip_conversations}")
+    for name, flag in cls.FLAGS.items():
+        value = getattr(args, name)
+        if value is None or isinstance(value, str):
+            continue
+        if (flag.least is not None and value < flag.least) or (flag.most is not None and value > flag.most):
+            bounds = f">= {flag.least:g}" if flag.most is None else f"in [{flag.least:g}, {flag.most:g}]"
+            raise SpecDecodeError(f"--{name.replace('_', '-')} must be {bounds}, got {value}")
     values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
     if "more_features" in values:
         values["more_features"] = tuple(values["more_features"])
     return cls(**values)
+
+
+def run_method(module: ModuleType, args: argparse.Namespace) -> None:
+    """`specdecode train METHOD`: the method `module`'s `train` under the settings of its flags."""
+    module.train(settings_from_args(module.TrainSettings, args))

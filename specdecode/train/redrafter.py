@@ -28,12 +28,11 @@ method's training).
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +50,16 @@ DEPTH_DECAY = 0.8
 @dataclass(frozen=True)
 class TrainSettings(pipeline.Common):
     """Everything a run depends on; `specdecode train redrafter --help` describes each."""
+
+    FLAGS: ClassVar[dict[str, pipeline.Flag]] = {
+        "num_layers": pipeline.Flag("residual blocks", least=0, steps=True),
+        "depth": pipeline.Flag("tokens predicted per position (beam_length - 1)", least=1, steps=True),
+        "distill": pipeline.Flag(
+            "weight in [0, 1] of the target's soft targets", least=0, most=1, steps=True
+        ),
+        "beam_width": pipeline.Flag("beams for the held-out τ", least=1),
+        "draft_vocab": pipeline.Flag("tokens it may draft, most frequent (0: all)", least=0, steps=True),
+    }
 
     num_layers: int = 2
     depth: int = 4
@@ -170,20 +179,13 @@ def fit(
 ) -> dict[str, float]:
     """Train `head` in place on `data`, checkpointing to `state_file` (resumed when it exists;
     `on_step` and Ctrl-C as in `pipeline.train_loop`). `embedding` (V, C) and `lm_weight` (C, V) are the
-    target's, frozen, `lm_weight` in the compute dtype. Returns the mean loss of the last 50
-    steps and the last batch's depth-1 accuracy."""
+    target's, frozen, `lm_weight` in the compute dtype. Returns the mean loss and depth-1
+    accuracy of the last 50 steps."""
     device = lm_weight.device
     lm_weight, column = pipeline.draft_columns(lm_weight, head.draft_vocab if head.lm_head is None else None)
-    if lm_weight.is_inference():  # made under inference_mode (a cached tied head): autograd needs a copy
-        lm_weight = lm_weight.clone()
     embedding = embedding.detach().float()
-    keys = ("model", "num_layers", "depth", "distill", "lr", "batch_size", "seed", "dtype", "draft_vocab")
-    total = pipeline.total_steps(settings, len(data))
-    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
-    recent = pipeline.RecentMean()
-    figures = {"loss": float("nan"), "acc1": float("nan")}
 
-    def step(idx: Tensor) -> dict[str, float]:
+    def loss_fn(idx: Tensor) -> tuple[Tensor, float]:
         rows = data.rows[idx]  # (B,)
         tokens = data.tokens[idx].to(device)  # (B, D+1)
         context = data.hidden[rows].to(device, torch.float32)  # (B, C)
@@ -199,24 +201,11 @@ def fit(
                 soft = torch.softmax(target_logits.float(), dim=-1)  # (B, D, V)
         logits = drafter_logits(head, context, fed, embedding, lm_weight)  # (B, D, V)
         loss = redrafter_loss(logits, labels, soft, settings.distill)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        figures.update(loss=recent.add(float(loss.detach())), acc1=pipeline.top1(logits[:, 0], labels[:, 0]))
-        return {"loss": recent.values[-1], "acc1": figures["acc1"]}
+        return loss, pipeline.top1(logits[:, 0], labels[:, 0])
 
-    pipeline.train_loop(
-        head,
-        optimizer,
-        step,
-        num_items=len(data),
-        settings=settings,
-        state_file=state_file,
-        fingerprint=pipeline.fingerprint(settings, keys, positions=len(data), total=total),
-        desc="redrafter",
-        on_step=on_step,
+    return pipeline.train_loop(
+        head, loss_fn, len(data), settings, state_file, on_step, metric="acc1", desc="redrafter"
     )
-    return figures
 
 
 @torch.no_grad()
@@ -295,31 +284,3 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     )
     pipeline.print_done(prep, report, train_s, "drafter")
     return report
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    d = pipeline.add_common_args(p, TrainSettings)
-    p.add_argument("--num-layers", type=int, default=d.num_layers, help="residual blocks")
-    p.add_argument(
-        "--depth", type=int, default=d.depth, help="tokens predicted per position (beam_length - 1)"
-    )
-    p.add_argument(
-        "--distill", type=float, default=d.distill, help="weight in [0, 1] of the target's soft targets"
-    )
-    p.add_argument("--beam-width", type=int, default=d.beam_width, help="beams for the held-out τ")
-    p.add_argument(
-        "--draft-vocab", type=int, default=d.draft_vocab, help="tokens it may draft, most frequent (0: all)"
-    )
-
-
-def main_args(args: argparse.Namespace) -> None:
-    settings = pipeline.settings_from_args(TrainSettings, args)
-    if args.depth < 1 or args.beam_width < 1:
-        raise SpecDecodeError(f"--depth and --beam-width must be >= 1, got {args.depth}, {args.beam_width}")
-    if args.num_layers < 0 or args.draft_vocab < 0:
-        raise SpecDecodeError(
-            f"--num-layers and --draft-vocab must be >= 0, got {args.num_layers}, {args.draft_vocab}"
-        )
-    if not 0.0 <= args.distill <= 1.0:
-        raise SpecDecodeError(f"--distill must be in [0, 1], got {args.distill}")
-    train(settings)
