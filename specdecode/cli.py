@@ -35,7 +35,12 @@ def _positive_int(text: str) -> int:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="short name, .gguf file, HF directory or hub id")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="auto: a GGUF's weights as stored (quantized, float32 activations), else float32",
+    )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA when available)")
     p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch")
 

@@ -24,9 +24,8 @@ from specdecode.engine.drafter_factory import DrafterFactory
 from specdecode.engine.llm_engine import EngineRequest, LLMEngine, RequestDelta
 from specdecode.engine.scheduler import Sequence as EngineSequence
 from specdecode.errors import SpecDecodeError
-from specdecode.models.loader import resolve_device, resolve_dtype, resolve_model
+from specdecode.models.loader import load_target, resolve_device, resolve_model
 from specdecode.models.tokenizer import Tokenizer
-from specdecode.models.transformer import Transformer
 from specdecode.outputs import RequestOutput
 from specdecode.sampling import SamplingParams
 from specdecode.spec_config import SpecConfig, parse_speculative
@@ -52,7 +51,9 @@ class LLM:
     """A target model ready to generate: weights, tokenizer and the engine that runs them.
 
     `model` is a short name (`specdecode models list`), a `.gguf` file, a Hugging Face model
-    directory, or a hub id where a network exists. `dtype` is float32 or bfloat16; `device`
+    directory, or a hub id where a network exists. `dtype` "auto" runs a GGUF's weights as stored
+    (its block formats, float32 activations; on a CPU) and other models in float32; "float32" or
+    "bfloat16" dequantize every weight to that dtype. `device`
     defaults to CUDA when available, else CPU. `speculative` is the default speculative method
     for every call (a dictionary such as `{"method": "prompt_lookup"}`; None = plain decoding);
     a lookahead setting here also fixes the largest (W, N, G) a call may ask for.
@@ -67,7 +68,7 @@ class LLM:
     def __init__(
         self,
         model: str = "smollm2-135m",
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype = "auto",
         device: str | None = None,
         speculative: Speculative = None,
         num_threads: int | None = None,
@@ -94,7 +95,7 @@ class LLM:
         )
         path = resolve_model(model, progress=progress)
         self.tokenizer = Tokenizer.from_dir(path)
-        self.model = Transformer.from_dir(path, dtype=resolve_dtype(dtype), device=resolve_device(device))
+        self.model = load_target(path, dtype, resolve_device(device))
         self.drafters = DrafterFactory(self.model, self.tokenizer, model, progress)
         if self.speculative is not None:
             self.drafters.build(self.speculative)  # load a draft model or heads now: fail early

@@ -68,32 +68,34 @@ class TinyGGUF:
     hf_weights: dict[str, np.ndarray] = field(default_factory=dict)
 
 
-def hf_weights(arch: str, tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random float32 weights under Hugging Face names and shapes."""
+def hf_weights(arch: str, tied: bool, seed: int = 0, width: int = 1) -> dict[str, np.ndarray]:
+    """Random float32 weights under Hugging Face names and shapes (`width` times the hidden and
+    feed-forward sizes, heads as many)."""
     rng = np.random.default_rng(seed)
+    hidden, ffn = HIDDEN * width, FFN * width
 
     def rand(*shape: int) -> np.ndarray:
         return rng.standard_normal(shape).astype(np.float32)
 
-    w = {"model.embed_tokens.weight": rand(VOCAB, HIDDEN), "model.norm.weight": rand(HIDDEN)}
+    w = {"model.embed_tokens.weight": rand(VOCAB, hidden), "model.norm.weight": rand(hidden)}
     if not tied:
-        w["lm_head.weight"] = rand(VOCAB, HIDDEN)
-    kv = KV_HEADS * HEAD_DIM
+        w["lm_head.weight"] = rand(VOCAB, hidden)
+    kv = KV_HEADS * (HEAD_DIM * width)
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = rand(HIDDEN)
-        w[p + "post_attention_layernorm.weight"] = rand(HIDDEN)
-        w[p + "self_attn.q_proj.weight"] = rand(HIDDEN, HIDDEN)
-        w[p + "self_attn.k_proj.weight"] = rand(kv, HIDDEN)
-        w[p + "self_attn.v_proj.weight"] = rand(kv, HIDDEN)
-        w[p + "self_attn.o_proj.weight"] = rand(HIDDEN, HIDDEN)
+        w[p + "input_layernorm.weight"] = rand(hidden)
+        w[p + "post_attention_layernorm.weight"] = rand(hidden)
+        w[p + "self_attn.q_proj.weight"] = rand(hidden, hidden)
+        w[p + "self_attn.k_proj.weight"] = rand(kv, hidden)
+        w[p + "self_attn.v_proj.weight"] = rand(kv, hidden)
+        w[p + "self_attn.o_proj.weight"] = rand(hidden, hidden)
         if arch == "qwen2":
-            w[p + "self_attn.q_proj.bias"] = rand(HIDDEN)
+            w[p + "self_attn.q_proj.bias"] = rand(hidden)
             w[p + "self_attn.k_proj.bias"] = rand(kv)
             w[p + "self_attn.v_proj.bias"] = rand(kv)
-        w[p + "mlp.gate_proj.weight"] = rand(FFN, HIDDEN)
-        w[p + "mlp.up_proj.weight"] = rand(FFN, HIDDEN)
-        w[p + "mlp.down_proj.weight"] = rand(HIDDEN, FFN)
+        w[p + "mlp.gate_proj.weight"] = rand(ffn, hidden)
+        w[p + "mlp.up_proj.weight"] = rand(ffn, hidden)
+        w[p + "mlp.down_proj.weight"] = rand(hidden, ffn)
     return w
 
 
@@ -130,15 +132,19 @@ def write_tiny_gguf(
     pre: str = "gpt2",
     seed: int = 0,
     declared_arch: str | None = None,
+    width: int = 1,
+    formats: dict[str, str] | None = None,
 ) -> TinyGGUF:
-    """Write a tiny GGUF of `arch` to `path`; `declared_arch` overrides `general.architecture`."""
-    weights = hf_weights(arch, tied, seed)
+    """Write a tiny GGUF of `arch` to `path`; `declared_arch` overrides `general.architecture`.
+    `width` multiplies the hidden and feed-forward sizes; `formats` maps GGUF tensor-name endings
+    (".attn_q.weight") to the block format they are stored in (else float32)."""
+    weights = hf_weights(arch, tied, seed, width)
     name = declared_arch or arch
     writer = gguf.GGUFWriter(path, name)
     writer.add_block_count(LAYERS)
     writer.add_context_length(CONTEXT)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
+    writer.add_embedding_length(HIDDEN * width)
+    writer.add_feed_forward_length(FFN * width)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_rope_freq_base(10000.0)
@@ -161,7 +167,13 @@ def write_tiny_gguf(
             data = llama_cpp_permute(w, HEADS)
         elif arch == "llama" and "k_proj" in hf:
             data = llama_cpp_permute(w, KV_HEADS)
-        writer.add_tensor(gguf_name(hf), np.ascontiguousarray(data))
+        name = gguf_name(hf)
+        fmt = next((f for end, f in (formats or {}).items() if name.endswith(end)), None)
+        if fmt is None:
+            writer.add_tensor(name, np.ascontiguousarray(data))
+        else:
+            kind = gguf.GGMLQuantizationType[fmt]
+            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(data), kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

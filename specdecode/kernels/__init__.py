@@ -23,25 +23,50 @@ import os
 import torch
 
 from specdecode.errors import SpecDecodeError
-from specdecode.kernels.base import AttendRows, Kernels, LinearKernel
-from specdecode.kernels.reference import EXACT, REFERENCE, TORCH_LINEAR
+from specdecode.kernels.base import (
+    QUANT_FORMATS,
+    AttendRows,
+    Kernels,
+    LinearKernel,
+    QuantKernel,
+    QuantPart,
+    QuantWeight,
+)
+from specdecode.kernels.reference import EXACT, REFERENCE, TORCH_LINEAR, dequantize
 
-__all__ = ["EXACT", "REFERENCE", "TORCH_LINEAR", "AttendRows", "Kernels", "LinearKernel", "select"]
+__all__ = [
+    "EXACT",
+    "QUANT_FORMATS",
+    "REFERENCE",
+    "TORCH_LINEAR",
+    "AttendRows",
+    "Kernels",
+    "LinearKernel",
+    "QuantKernel",
+    "QuantPart",
+    "QuantWeight",
+    "dequantize",
+    "select",
+]
 
 ENV_SWITCH = "SPECDECODE_CPU_KERNELS"
 
 
 def select(device: torch.device | str) -> Kernels:
-    """The kernels a model on `device` runs on: on a CPU our kernels where they can be had here
-    (and `SPECDECODE_CPU_KERNELS` is not 0), else PyTorch's; elsewhere PyTorch's exact ops."""
+    """The kernels a model on `device` runs on: on a CPU our kernels for the best instruction set
+    here (or the one `SPECDECODE_CPU_ISA` forces), where a compiler is to be had and
+    `SPECDECODE_CPU_KERNELS` is not 0, else PyTorch's; elsewhere PyTorch's exact ops."""
     device = torch.device(device)
     if device.type != "cpu":
         return EXACT
     switch = os.environ.get(ENV_SWITCH, "1")
     if switch not in ("0", "1"):
         raise SpecDecodeError(f"{ENV_SWITCH} must be 0 or 1, not {switch!r}")
-    if switch == "0":
+    from specdecode.kernels import build
+
+    isa = build.best_isa()  # raises for a bad or unrunnable SPECDECODE_CPU_ISA
+    if switch == "0" or isa is None:
         return REFERENCE
     from specdecode.kernels.cpu import cpu_kernels
 
-    return cpu_kernels() or REFERENCE
+    return cpu_kernels(isa)

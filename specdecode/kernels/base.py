@@ -73,6 +73,8 @@ class Kernels:
     - `attend_rows`: the row-attention kernel, or None: then SDPA runs every segment.
     - `fast_bf16`: bfloat16 weights run faster than float32 ones here (what an "auto" draft
       model's dtype follows).
+    - `quant`: products with weights kept in GGUF block formats, or None (then a GGUF's weights
+      are dequantized when the model loads).
     """
 
     name: str
@@ -81,6 +83,7 @@ class Kernels:
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
     attend_rows: AttendRows | None = None
     fast_bf16: bool = False
+    quant: QuantKernel | None = None
 
     def linear_for(self, weight_t: Tensor) -> LinearKernel:
         """The first linear kernel that takes this (in, out) weight."""
@@ -101,3 +104,61 @@ class Kernels:
             and q.shape[-1] in self.attend_rows.head_dims
             and not (torch.is_grad_enabled() and q.requires_grad)
         )
+
+
+# ---- weights kept in GGUF's block formats ----------------------------------------------------------
+
+QUANT_FORMATS = {  # name: (ggml type id, weights per block, bytes per block)
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q5_0": (6, 32, 22),
+    "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144),
+    "Q6_K": (14, 256, 210),
+}
+
+
+@dataclass(frozen=True)
+class QuantPart:
+    """`data` (n, row_bytes) uint8: n output rows of a weight, each its input weights in the
+    blocks of `format` (one of QUANT_FORMATS), exactly as a GGUF file stores them."""
+
+    format: str
+    data: Tensor
+
+    @property
+    def rows(self) -> int:
+        return int(self.data.shape[0])
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A linear weight (in_features -> the parts' rows, stacked) kept as stored. A fused matrix
+    (q|k|v) may have parts in different formats, as a GGUF's tensors may."""
+
+    in_features: int
+    parts: tuple[QuantPart, ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.data.numel() for p in self.parts)
+
+
+class QuantKernel(Protocol):
+    """Products with weights kept in GGUF block formats: float32 activations and sums, each block
+    dequantized in registers to exactly the values gguf-py's dequantization gives."""
+
+    name: str
+    formats: frozenset[str]
+
+    def matmul(self, x: Tensor, weight: QuantWeight, bias: Tensor | None = None) -> Tensor:
+        """x (M, in) float32 -> (M, out) float32."""
+        ...
+
+    def rows(self, weight: QuantWeight, ids: Tensor) -> Tensor:
+        """Output rows `ids` (n,) of the weight, dequantized: (n, in) float32 (embedding lookup)."""
+        ...

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import ClassVar
 
 import torch
@@ -22,6 +23,7 @@ from torch import Tensor
 
 from specdecode.kernels import cpu_gemm
 from specdecode.kernels.base import Kernels
+from specdecode.kernels.quant import quant_kernel
 from specdecode.kernels.reference import REFERENCE, TorchApprox
 from specdecode.kernels.reference import rms_norm as torch_rms_norm
 
@@ -99,14 +101,16 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 @functools.cache
-def cpu_kernels() -> Kernels | None:
-    """Our CPU kernels, or None where the compiled library cannot run here (no AVX-512 or no
-    compiler). bfloat16 weights and the approximate product use the bf16 kernel where the CPU
-    has AVX512_BF16, else PyTorch's bfloat16 matmul."""
-    if cpu_gemm.kernel() is None:
-        return None
+def cpu_kernels(isa: str) -> Kernels:
+    """Our CPU kernels for the instruction set `isa` (`build.ISAS`), PyTorch's where ours cannot
+    be had here (no compiler). The float32 kernels need AVX-512; bfloat16 weights and the
+    approximate product use the bf16 kernel where the CPU has AVX512_BF16, else PyTorch's
+    bfloat16 matmul. Weights kept in GGUF block formats run on `isa`'s quantized products."""
+    quant = quant_kernel(isa)
+    if isa != "avx512" or cpu_gemm.kernel() is None:
+        return replace(REFERENCE, name=f"cpu-{isa}" if quant else REFERENCE.name, quant=quant)
     bf16 = cpu_gemm.kernel_bf16() is not None
     linears = (TiledF32(), BF16Layers()) if bf16 else (TiledF32(),)
     approx = (TiledBF16(), TorchApprox()) if bf16 else (TorchApprox(),)
     linears = (*linears, *REFERENCE.linears)
-    return Kernels("cpu-avx512", linears, approx, rms_norm, AttendRows(), fast_bf16=bf16)
+    return Kernels("cpu-avx512", linears, approx, rms_norm, AttendRows(), fast_bf16=bf16, quant=quant)

@@ -18,17 +18,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import math
-import os
-import platform
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 
-from specdecode.models.cache import atomic_file, cache_root
+from specdecode.kernels import build
 
 TILE = 32
 # Rows up to which our kernels beat PyTorch's matmul (measured on SmolLM2's shapes): float32 runs
@@ -39,42 +34,18 @@ BF16_CALL_ROWS = 64 * 12  # the most rows one call of the bf16 kernel takes
 _SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
 
 
-def _cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return line.split(":", 1)[-1].strip()
-
-
-def _compile(compiler: str, source: Path, out: Path) -> None:
-    with atomic_file(out) as tmp:
-        cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(source), "-o", str(tmp)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr else "compiler failed")
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None where they cannot run here."""
-    flags = _cpu_flags()
-    if platform.machine().lower() not in ("x86_64", "amd64") or "avx512f" not in flags.split():
+    """The compiled kernels, or None where they cannot run here (no AVX-512, no compiler, or an
+    instruction set below AVX-512 forced by SPECDECODE_CPU_ISA)."""
+    if not build.is_x86() or "avx512f" not in build.cpu_flags() or build.forced_isa() not in (None, "avx512"):
         return None
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if compiler is None:
+    lib_path = build.shared_library(_SOURCE, ("-march=native",), "native")
+    if lib_path is None:
         return None
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + flags.encode() + compiler.encode()).hexdigest()[:16]
-    lib_path = cache_root() / "kernels" / f"cpu_gemm-{key}.so"
-    try:
-        if not lib_path.is_file():
-            lib_path.parent.mkdir(parents=True, exist_ok=True)
-            _compile(compiler, _SOURCE, lib_path)
-        # torch is imported already, so the kernels' libgomp.so.1 is torch's: one thread pool
+    try:  # torch is imported already, so the kernels' libgomp.so.1 is torch's: one thread pool
         lib = ctypes.CDLL(str(lib_path))
-    except (OSError, RuntimeError):
+    except OSError:
         return None
     for fn in (lib.specdecode_tiled_mm, lib.specdecode_tiled_mm_bf16):
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
@@ -103,7 +74,7 @@ def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 def kernel_bf16() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The bfloat16 one (`specdecode_tiled_mm_bf16`), where the CPU has AVX512_BF16."""
     lib = _library()
-    return None if lib is None or "avx512_bf16" not in _cpu_flags().split() else lib.specdecode_tiled_mm_bf16
+    return None if lib is None or "avx512_bf16" not in build.cpu_flags() else lib.specdecode_tiled_mm_bf16
 
 
 @functools.cache

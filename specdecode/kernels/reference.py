@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specdecode.kernels.base import Kernels
+from specdecode.kernels.base import Kernels, QuantWeight
 
 
 class TorchLinear:
@@ -64,3 +64,17 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 TORCH_LINEAR = TorchLinear()  # the layers' kernel until one is bound, and every set's last resort
 REFERENCE = Kernels("torch", (TORCH_LINEAR,), (TorchApprox(),), rms_norm)
 EXACT = Kernels("torch-exact", (TORCH_LINEAR,), (), rms_norm)
+
+
+def dequantize(weight: QuantWeight) -> Tensor:
+    """A weight kept in GGUF block formats -> (in, out) float32, by gguf-py (the reference the
+    quantized kernels are tested against, and the fallback where they cannot run)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    parts = [
+        np.asarray(gguf_dequantize(p.data.numpy(), GGMLQuantizationType[p.format]), dtype=np.float32)
+        for p in weight.parts
+    ]  # (rows, in) each
+    return torch.from_numpy(np.concatenate(parts)).t()  # (in, out)

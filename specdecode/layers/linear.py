@@ -5,22 +5,56 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdecode.kernels import REFERENCE, TORCH_LINEAR, Kernels, LinearKernel
+from specdecode.kernels import (
+    REFERENCE,
+    TORCH_LINEAR,
+    Kernels,
+    LinearKernel,
+    QuantKernel,
+    QuantWeight,
+    dequantize,
+)
 
 
 class Dense(nn.Module):
     """y = x @ W (+ bias). W is created (in, out) as `weight_t`, the reference kernel's layout;
     `bind_kernels` re-stores it once, frozen, in the layout of the kernel that takes it, as
-    `weight_packed` (one copy of the weights, not two)."""
+    `weight_packed` (one copy of the weights, not two).
+
+    A weight loaded as stored in a GGUF (`load_quantized`) stays in its block formats where the
+    kernels have a quantized product (float32 activations and sums); elsewhere binding
+    dequantizes it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features).normal_(0, 0.02))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.register_parameter("weight_packed", None)
-        self.kernel: LinearKernel = TORCH_LINEAR
+        self.kernel: LinearKernel | QuantKernel = TORCH_LINEAR
+        self.quantized: QuantWeight | None = None
 
-    def bind_kernels(self, kernels: Kernels) -> None:
+    def load_quantized(self, weight: QuantWeight) -> None:
+        """Hold `weight` as stored (its float parameter goes); `bind_kernels` decides how it runs."""
+        if (weight.in_features, weight.out_features) != tuple(self.weight_t.shape):
+            raise ValueError(
+                f"quantized weight {weight.in_features} x {weight.out_features} for a layer of "
+                f"{tuple(self.weight_t.shape)}"
+            )
+        del self.weight_t
+        self.quantized = weight
+
+    def bind_kernels(self, kernels: Kernels, pack: bool = True) -> None:
+        """Compute through `kernels`; with `pack` False a float weight stays (in, out) (the LM
+        head, which drafters and training read)."""
+        if self.quantized is not None:
+            quant = kernels.quant
+            if quant is not None and all(p.format in quant.formats for p in self.quantized.parts):
+                self.kernel = quant
+                return
+            self.weight_t = nn.Parameter(dequantize(self.quantized), requires_grad=False)
+            self.quantized, self.kernel = None, TORCH_LINEAR
+        if not pack:
+            return
         weight_t = self.matrix().detach()
         kernel = kernels.linear_for(weight_t)
         if kernel.name == self.kernel.name:
@@ -32,16 +66,21 @@ class Dense(nn.Module):
         self.kernel = kernel
 
     def matrix(self) -> torch.Tensor:
-        """The weight as (in, out), whichever way it is stored (a copy when packed)."""
+        """The weight as (in, out), whichever way it is stored (a copy when packed or quantized)."""
+        if self.quantized is not None:
+            return dequantize(self.quantized)
         if self.weight_packed is None:
             return self.weight_t
-        return self.kernel.unpack(self.weight_packed)
+        return self.kernel.unpack(self.weight_packed)  # type: ignore[union-attr]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x (..., in) -> (..., out)
         flat = x.reshape(-1, x.shape[-1])
-        weight = self.weight_t if self.weight_packed is None else self.weight_packed
-        y = self.kernel.matmul(flat, weight, self.bias)
+        if self.quantized is not None:
+            weight: torch.Tensor | QuantWeight = self.quantized
+        else:
+            weight = self.weight_t if self.weight_packed is None else self.weight_packed
+        y = self.kernel.matmul(flat, weight, self.bias)  # type: ignore[arg-type]
         return y.view(*x.shape[:-1], y.shape[-1])
 
 

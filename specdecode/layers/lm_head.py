@@ -50,25 +50,34 @@ class LMHead:
     def bind_kernels(self, kernels: Kernels) -> None:
         self.kernels, self._approx = kernels, None
 
+    @property
+    def stored(self) -> bool:
+        """Whether the head is held in a GGUF's block formats (its product is then the fast one)."""
+        return self._dense is not None and self._dense.quantized is not None
+
     def key(self) -> tuple[int, int]:
         """Identity of the head's source parameter: its storage and in-place version."""
+        if self._dense is not None and self._dense.quantized is not None:
+            return self._dense.quantized.parts[0].data.data_ptr(), 0
         w = self._embed.weight if self._dense is None else self._dense.weight_t
         return w.data_ptr(), w._version
 
     def weight_t(self) -> Tensor:
-        """The LM head as (C, V): the transposed copy of a tied embedding is faster to multiply."""
-        if self._dense is not None:
+        """The LM head as (C, V): the transposed copy of a tied embedding is faster to multiply;
+        a stored head's dequantized copy (for drafters and training)."""
+        if self._dense is not None and self._dense.quantized is None:
             return self._dense.weight_t
         key = self.key()
         if self._tied is None or self._tied[0] != key:
             with torch.inference_mode(False), torch.no_grad():
-                self._tied = key, self._embed.weight.detach().t().contiguous()
+                source = self._embed.weight.detach().t() if self._dense is None else self._dense.matrix()
+                self._tied = key, source.contiguous()
         return self._tied[1]
 
     @property
     def approximates(self) -> bool:
         """Whether an approximate product exists here (else `approx_logits` is exact)."""
-        return bool(self.kernels.approx)
+        return bool(self.kernels.approx) and not self.stored
 
     def subset(self, columns: Tensor | None) -> ApproxHead:
         """A head over the vocabulary `columns` (V',) long (all where None) for a drafter to keep:
@@ -76,7 +85,7 @@ class LMHead:
         head_t = self.weight_t().detach()
         if columns is not None:
             head_t = head_t[:, columns.to(head_t.device)]
-        if head_t.dtype == torch.float32 and self.approximates:
+        if head_t.dtype == torch.float32 and self.kernels.approx:
             return ApproxHead(self.kernels.approx_for(head_t), head_t)
         return ApproxHead(TORCH_LINEAR, head_t, exact=True)
 
@@ -98,6 +107,8 @@ class LMHead:
         """(..., C) hidden states -> (..., V) float32 logits. A bfloat16 head goes through the
         approximate kernel when that keeps float32 sums (exact for bfloat16 inputs and weights)."""
         flat = hidden.reshape(-1, hidden.shape[-1])
+        if self._dense is not None and self._dense.quantized is not None:
+            return self._dense(flat).float().view(*hidden.shape[:-1], -1)
         w = self.weight_t()
         if w.dtype == torch.bfloat16 and self.approximates:
             head = self._approx_head()[0]
@@ -108,7 +119,7 @@ class LMHead:
     def approx_logits(self, hidden: Tensor) -> Tensor:
         """(M, C) -> (M, V) float32 logits through the approximate copy of a float32 head (else
         exact `logits`)."""
-        if self.weight_t().dtype != torch.float32 or not self.approximates:
+        if not self.approximates or self.weight_t().dtype != torch.float32:
             return self.logits(hidden)
         return self._approx_head()[0](hidden)
 
@@ -116,7 +127,7 @@ class LMHead:
         """The exact greedy token of each of the (M, C) rows, screened in one pass, each row
         resolved when first read: a verifier walking a draft tree reads only its accepted path."""
         flat = hidden.reshape(-1, hidden.shape[-1])
-        if self.weight_t().dtype != torch.float32 or not self.approximates:
+        if not self.approximates or self.weight_t().dtype != torch.float32:
             return self.logits(flat).argmax(-1).tolist()
         return GreedyRows(self, flat)
 

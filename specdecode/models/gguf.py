@@ -308,3 +308,33 @@ def load_gguf(path: str | Path, progress: bool = True) -> Path:
     if (target / "config.json").is_file():
         return target
     return convert_gguf(path, target, progress=progress)
+
+
+def source_gguf(model_dir: str | Path) -> Path | None:
+    """The GGUF file a converted directory was made from, where it still exists (None for a
+    directory that did not come from a GGUF)."""
+    info = Path(model_dir) / "specdecode_source.json"
+    if not info.is_file():
+        return None
+    source = Path(json.loads(info.read_text()).get("gguf", ""))
+    return source if source.is_file() else None
+
+
+def stored_weights(path: str | Path) -> dict[str, tuple[str, np.ndarray]]:
+    """The GGUF's 2-D weights as stored: Hugging Face name -> (format name, (rows, row_bytes)
+    uint8 blocks), Q/K rows put back in Hugging Face's order. Float tensors are left out."""
+    path = Path(path)
+    reader = _open(path)
+    cfg = model_config(read_metadata(reader, path), path)
+    out: dict[str, tuple[str, np.ndarray]] = {}
+    for t in plan_tensors(reader, cfg, path):
+        fmt = t.source.tensor_type.name
+        if len(t.shape) != 2 or fmt in ("F32", "F16", "BF16", "F64"):
+            continue
+        data = np.asarray(t.source.data)  # (rows, row_bytes) uint8, a view of the file
+        if data.ndim != 2 or data.shape[0] != t.shape[0]:
+            raise SpecDecodeError(f"{path} is corrupt: tensor {t.source.name} has the wrong number of rows")
+        if t.unpermute_heads is not None:
+            data = unpermute_rotary(data, t.unpermute_heads)
+        out[t.name] = fmt, np.array(data, order="C")  # a copy in memory: the file may change
+    return out

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.config import ModelConfig
-from specdecode.models.gguf import GGUF_MAGIC, load_gguf
+from specdecode.models.gguf import GGUF_MAGIC, load_gguf, source_gguf
 from specdecode.models.registry import REGISTRY, fetch
+
+if TYPE_CHECKING:
+    from specdecode.models.transformer import Transformer
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
@@ -95,6 +99,18 @@ DTYPES = {
 }
 
 
+def load_target(path: Path, dtype: str | torch.dtype, device: torch.device) -> Transformer:
+    """The model in the directory `path` (from `resolve_model`). dtype "auto": a GGUF's weights as
+    stored, in their block formats (on a CPU; float32 activations), anything else in float32;
+    "float32" / "bfloat16": every weight dequantized to that dtype."""
+    from specdecode.models.transformer import Transformer
+
+    if dtype == "auto":
+        stored = source_gguf(path) if device.type == "cpu" else None
+        return Transformer.from_dir(path, torch.float32, device, stored=stored)
+    return Transformer.from_dir(path, resolve_dtype(dtype), device)
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """A dtype name or torch dtype checked against those the model runs in."""
     if isinstance(dtype, torch.dtype):
@@ -104,7 +120,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     try:
         return DTYPES[dtype]
     except KeyError:
-        raise SpecDecodeError(f"unsupported dtype {dtype!r}: use float32 or bfloat16") from None
+        raise SpecDecodeError(f"unsupported dtype {dtype!r}: use auto, float32 or bfloat16") from None
 
 
 def resolve_device(device: str | None) -> torch.device:

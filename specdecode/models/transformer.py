@@ -17,8 +17,9 @@ bookkeeping alone: whoever runs it commits the plan afterwards (`AttentionPlan.c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,13 +27,35 @@ from torch import nn
 
 from specdecode.attention import AttentionPlan, Segment
 from specdecode.errors import SpecDecodeError
-from specdecode.kernels import REFERENCE, Kernels, select
+from specdecode.kernels import REFERENCE, Kernels, QuantPart, QuantWeight, select
 from specdecode.kv_cache import KVCache
 from specdecode.layers import bind_kernels
 from specdecode.layers.linear import Dense, RMSNorm
 from specdecode.layers.lm_head import ApproxHead, LMHead
 from specdecode.layers.rotary import Rotary
 from specdecode.models.config import ModelConfig
+
+
+class _Tensors(Mapping[str, torch.Tensor]):
+    """The tensors of a directory's safetensors files, each read when asked for (weights held as
+    stored elsewhere are never read)."""
+
+    def __init__(self, handles: list[Any], path: Path) -> None:
+        self._where = {name: h for h in handles for name in h.keys()}  # noqa: SIM118 (not a dict)
+        self._path = path
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        handle = self._where[name]
+        try:
+            return handle.get_tensor(name)
+        except Exception as exc:
+            raise SpecDecodeError(f"cannot read weight {name} in {self._path}: {exc}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 class Block(nn.Module):
@@ -161,9 +184,10 @@ class Transformer(nn.Module):
 
     # ---- weights -------------------------------------------------------------------------------
 
-    def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, hf: Mapping[str, torch.Tensor]) -> None:
         """Load weights named as in Hugging Face Llama/Qwen2 checkpoints: q|k|v and gate|up are
-        fused, matrices transposed to (in, out), a tied LM head copied from the embedding."""
+        fused, matrices transposed to (in, out), a tied LM head copied from the embedding.
+        Layers already holding a weight as stored (`load_stored`) are left alone."""
         cfg = self.config
 
         def take(name: str) -> torch.Tensor:
@@ -172,41 +196,81 @@ class Transformer(nn.Module):
             except KeyError:
                 raise SpecDecodeError(f"checkpoint is missing weight {name!r}") from None
 
-        def fused(names: list[str]) -> torch.Tensor:
-            return torch.cat([take(n) for n in names]).t()
+        def fused(names: list[str], transpose: bool = True) -> Callable[[], torch.Tensor]:
+            return lambda: (lambda w: w.t() if transpose else w)(torch.cat([take(n) for n in names]))
 
-        embed = take("model.embed_tokens.weight")
-        ours: dict[str, torch.Tensor] = {"embed.weight": embed, "norm.weight": take("model.norm.weight")}
+        def one(name: str, transpose: bool = False) -> Callable[[], torch.Tensor]:
+            return lambda: take(name).t() if transpose else take(name)
+
+        ours: dict[str, Callable[[], torch.Tensor]] = {
+            "embed.weight": one("model.embed_tokens.weight"),
+            "norm.weight": one("model.norm.weight"),
+        }
         if not cfg.tie_word_embeddings:  # some untied checkpoints still omit the head
-            ours["lm_head.weight_t"] = hf.get("lm_head.weight", embed).t()
+            ours["lm_head.weight_t"] = lambda: hf.get("lm_head.weight", take("model.embed_tokens.weight")).t()
         for i in range(cfg.num_layers):
             p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-            ours[f"layers.{i}.attn_norm.weight"] = take(p + "input_layernorm.weight")
-            ours[f"layers.{i}.mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
+            ours[f"layers.{i}.attn_norm.weight"] = one(p + "input_layernorm.weight")
+            ours[f"layers.{i}.mlp_norm.weight"] = one(p + "post_attention_layernorm.weight")
             ours[f"layers.{i}.qkv.weight_t"] = fused([a + f"{n}_proj.weight" for n in "qkv"])
             if cfg.attention_bias:
-                ours[f"layers.{i}.qkv.bias"] = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
-            ours[f"layers.{i}.o.weight_t"] = take(a + "o_proj.weight").t()
+                ours[f"layers.{i}.qkv.bias"] = lambda a=a: torch.cat(
+                    [take(a + f"{n}_proj.bias") for n in "qkv"]
+                )
+            ours[f"layers.{i}.o.weight_t"] = one(a + "o_proj.weight", transpose=True)
             ours[f"layers.{i}.gate_up.weight_t"] = fused(
                 [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
             )
-            ours[f"layers.{i}.down.weight_t"] = take(p + "mlp.down_proj.weight").t()
-        for name, tensor in ours.items():
-            param = self.get_parameter(name)
-            if param.shape != tensor.shape:
+            ours[f"layers.{i}.down.weight_t"] = one(p + "mlp.down_proj.weight", transpose=True)
+        params = dict(self.named_parameters())
+        loaded = {name: make() for name, make in ours.items() if name in params}  # stored ones are not
+        for name, tensor in loaded.items():
+            if params[name].shape != tensor.shape:
                 raise SpecDecodeError(
-                    f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                    f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
                 )
         with torch.no_grad():
-            for name, tensor in ours.items():
-                self.get_parameter(name).copy_(tensor)
+            for name, tensor in loaded.items():
+                params[name].copy_(tensor)
+
+    def load_stored(self, stored: Mapping[str, tuple[str, Any]]) -> None:
+        """Hold the linear weights (and the LM head) of a GGUF as stored, in their block formats:
+        `stored` maps Hugging Face names to (format, (rows, row_bytes) uint8 blocks), as
+        `gguf.stored_weights` reads them. A layer whose parts are not all there stays float."""
+        cfg = self.config
+
+        def hold(dense: Dense, names: list[str]) -> None:
+            if all(n in stored for n in names):
+                parts = tuple(QuantPart(stored[n][0], torch.from_numpy(stored[n][1])) for n in names)
+                dense.load_quantized(QuantWeight(dense.weight_t.shape[0], parts))
+
+        for i, layer in enumerate(self.layers):
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            hold(layer.qkv, [a + f"{n}_proj.weight" for n in "qkv"])
+            hold(layer.o, [a + "o_proj.weight"])
+            hold(layer.gate_up, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+            hold(layer.down, [p + "mlp.down_proj.weight"])
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        if head in stored:  # the head reads the stored matrix; a tied embedding keeps its float copy
+            if self.lm_head is None:
+                self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size).to(self.device)
+                self.head = LMHead(self.embed, self.lm_head)
+            hold(self.lm_head, [head])
 
     @classmethod
     def from_dir(
-        cls, path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+        cls,
+        path: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        stored: Path | None = None,
     ) -> Transformer:
-        """Load a Hugging Face model directory (config.json + *.safetensors)."""
-        from safetensors.torch import load_file
+        """Load a Hugging Face model directory (config.json + *.safetensors). With `stored`, the
+        GGUF file the directory was converted from, its quantized weights stay as stored (run in
+        float32 through the kernels' quantized products, or dequantized where there are none)."""
+        from safetensors import safe_open
+
+        from specdecode.models.gguf import stored_weights
 
         path = Path(path)
         config = ModelConfig.from_dir(path)
@@ -217,13 +281,13 @@ class Transformer(nn.Module):
             model = cls(config)
         model = model.to_empty(device=device).to(dtype)
         model.rotary = Rotary(config).to(device)
-        hf: dict[str, torch.Tensor] = {}
-        for f in files:
-            try:
-                hf.update(load_file(f, device=str(device)))
-            except Exception as exc:  # safetensors raises several types for a damaged file
-                raise SpecDecodeError(f"cannot read weights {f}: {exc}") from None
-        model.load_hf_state_dict(hf)
+        try:
+            handles = [safe_open(str(f), framework="pt", device=str(device)) for f in files]
+        except Exception as exc:  # safetensors raises several types for a damaged file
+            raise SpecDecodeError(f"cannot read weights in {path}: {exc}") from None
+        if stored is not None:
+            model.load_stored(stored_weights(stored))
+        model.load_hf_state_dict(_Tensors(handles, path))
         model.bind_kernels()
         return model.eval()
 
@@ -235,4 +299,6 @@ class Transformer(nn.Module):
         for layer in self.layers:
             bind_kernels(layer, self.kernels)
         self.norm.bind_kernels(self.kernels)
+        if self.lm_head is not None:
+            self.lm_head.bind_kernels(self.kernels, pack=False)
         self.head.bind_kernels(self.kernels)

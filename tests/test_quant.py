@@ -1,0 +1,126 @@
+"""Weights kept in GGUF block formats: every instruction set's build that runs here dequantizes
+exactly as gguf-py does, keeps each row independent of its batch, and a GGUF model run as stored
+decodes as the same model dequantized, plain and speculative."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from specdecode import LLM, SamplingParams
+from specdecode.errors import SpecDecodeError
+from specdecode.kernels import QUANT_FORMATS, REFERENCE, QuantPart, QuantWeight, build, dequantize, select
+from specdecode.kernels.quant import quant_kernel
+from tests.tiny_gguf import write_tiny_gguf
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def isa_params() -> list[object]:
+    return [
+        pytest.param(isa, marks=pytest.mark.skipif(quant_kernel(isa) is None, reason=f"no {isa} build here"))
+        for isa in build.ISAS
+    ]
+
+
+def random_weight(fmt: str, rows: int, cols: int, seed: int) -> QuantWeight:
+    """Random blocks of `fmt` with small, finite float16 scales (any bytes are valid quants)."""
+    rng = np.random.default_rng(seed)
+    _, per, size = QUANT_FORMATS[fmt]
+    raw = rng.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
+    scales = (rng.random((rows, cols // per, 2)) * 0.01 + 1e-3).astype(np.float16).view(np.uint8)
+    at = {"Q4_K": (0, 2), "Q6_K": (208,)}.get(fmt, (0, 2) if fmt == "Q4_1" else (0,))
+    for i, offset in enumerate(at):
+        raw[:, :, offset : offset + 2] = scales[:, :, 2 * i : 2 * i + 2]
+    return QuantWeight(cols, (QuantPart(fmt, torch.from_numpy(raw.reshape(rows, -1))),))
+
+
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
+def test_products_of_stored_weights(isa: str, fmt: str) -> None:
+    kernel = quant_kernel(isa)
+    assert kernel is not None
+    weight = random_weight(fmt, 37, 512, seed=len(fmt))
+    reference = dequantize(weight)  # (in, out), by gguf-py
+    rows = kernel.rows(weight, torch.arange(37))
+    assert torch.equal(rows, reference.t())  # the same values, bitwise
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(1))
+    y = kernel.matmul(x, weight)
+    want = x.double() @ reference.double()
+    torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-6 * float(want.abs().max()))
+    for m in (1, 3, 4, 5):  # a row alone, in a partial row block and in a full one
+        assert torch.equal(kernel.matmul(x[:m], weight), y[:m])
+    assert torch.equal(torch.cat([kernel.matmul(x[i : i + 1], weight) for i in range(9)]), y)
+
+
+@pytest.mark.parametrize("isa", isa_params())
+def test_fused_parts_in_several_formats(isa: str) -> None:
+    kernel = quant_kernel(isa)
+    assert kernel is not None
+    parts = [random_weight(f, n, 256, seed=n) for f, n in (("Q8_0", 5), ("Q4_K", 7), ("Q6_K", 3))]
+    fused = QuantWeight(256, tuple(p.parts[0] for p in parts))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    bias = torch.randn(15)
+    got = kernel.matmul(x, fused, bias)
+    assert torch.equal(got, torch.cat([kernel.matmul(x, p) for p in parts], dim=1) + bias)
+
+
+def test_forced_instruction_set_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(build.ENV_ISA, "neon")
+    with pytest.raises(SpecDecodeError, match="must be one of avx512, avx2, generic, off"):
+        select("cpu")
+    monkeypatch.setenv(build.ENV_ISA, "avx2")
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"sse2"}))
+    with pytest.raises(SpecDecodeError, match="cannot run it"):
+        select("cpu")
+    monkeypatch.setenv(build.ENV_ISA, "off")
+    assert select("cpu") is REFERENCE
+
+
+FORMATS = {  # mixed formats, as Q4_K_M files mix them: q|k|v is fused over three
+    ".attn_q.weight": "Q8_0",
+    ".attn_k.weight": "Q4_0",
+    ".attn_v.weight": "Q4_1",
+    ".attn_output.weight": "Q5_0",
+    ".ffn_gate.weight": "Q4_0",
+    ".ffn_up.weight": "Q8_0",
+    ".ffn_down.weight": "Q4_1",
+    "token_embd.weight": "Q8_0",
+}
+
+
+@pytest.fixture(scope="module")
+def quant_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(
+        tmp_path_factory.mktemp("q") / "q.gguf", "llama", tied=True, width=4, formats=FORMATS
+    ).path
+
+
+def test_gguf_as_stored_decodes_as_dequantized(quant_gguf: Path) -> None:
+    if select("cpu").quant is None:
+        pytest.skip("no quantized kernels here (no C++ compiler, or SPECDECODE_CPU_ISA=off)")
+    stored = LLM(str(quant_gguf), progress=False)  # dtype "auto": as stored
+    plain = LLM(str(quant_gguf), dtype="float32", progress=False)
+    layer = stored.model.layers[0]
+    assert layer.qkv.quantized is not None and [p.format for p in layer.qkv.quantized.parts] == [
+        "Q8_0",
+        "Q4_0",
+        "Q4_1",
+    ]
+    assert stored.model.lm_head is not None and stored.model.lm_head.quantized is not None
+    torch.testing.assert_close(layer.qkv.matrix(), plain.model.layers[0].qkv.matrix(), rtol=0, atol=0)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [[200 + i, 5, 17, 200 + i, 5] for i in range(4)]
+    want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    got = [o.token_ids for o in stored.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    for spec in (
+        {"method": "prompt_lookup"},
+        {"method": "lookahead", "window_size": 3, "ngram_size": 3, "verification_set_size": 3},
+    ):
+        assert [
+            o.token_ids for o in stored.generate(prompts, params, use_tqdm=False, speculative=spec)
+        ] == got
