@@ -362,6 +362,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_offline_args(bench_off)
     bench_off.set_defaults(func=_main_of("specdecode.bench.offline"))
 
+    bench_peer = sub.add_parser(
+        "bench-peer", help="specdecode against llama.cpp on the same GGUF (needs the [peer] extra)"
+    )
+    add_model_args(bench_peer)
+    from specdecode.bench.peer import add_args as add_bench_peer_args
+
+    add_bench_peer_args(bench_peer)
+    bench_peer.set_defaults(func=_main_of("specdecode.bench.peer"))
+
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (in-flight batching, speculation)")
     add_model_args(srv)
     srv.add_argument(
