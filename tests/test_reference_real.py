@@ -1,7 +1,8 @@
 """Greedy output on real pretrained models equals Hugging Face transformers' on the same weights.
 
 transformers loads the original GGUF file itself (its own dequantization and name mapping), so
-this also checks our conversion. 8 varied prompts, 128 tokens, float32.
+this also checks our conversion. 8 varied prompts, 128 tokens, float32, and with the weights
+run as stored (quantized blocks, float32 sums).
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ PROMPTS = [
 
 
 @pytest.mark.real
+@pytest.mark.parametrize("dtype", ["float32", "auto"])  # auto: the GGUF's weights as stored
 @pytest.mark.parametrize("name", ["smollm2-135m", pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.slow)])
-def test_greedy_equals_transformers(name: str) -> None:
+def test_greedy_equals_transformers(name: str, dtype: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(model=name, dtype="float32", device="cpu", progress=False)
+    llm = LLM(model=name, dtype=dtype, device="cpu", progress=False)
     gguf = gguf_path(name)
     hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     eos = llm.tokenizer.eos_token_ids
