@@ -29,7 +29,6 @@ from specdecode.errors import SpecDecodeError
 from specdecode.llm import LLM
 from specdecode.models.registry import REGISTRY, gguf_path
 from specdecode.sampling import SamplingParams
-from specdecode.spec_config import parse_speculative
 
 LLAMA_CPP = "llama.cpp"
 
@@ -92,24 +91,19 @@ def run_llama_cpp(path: Path, prompts: list[tuple[str, list[int]]], args: argpar
 
 
 def run_ours(
-    llm: LLM, prompts: list[tuple[str, list[int]]], specs: list[str], args: argparse.Namespace
+    llm: LLM, prompts: list[tuple[str, list[int]]], specs: list[dict[str, Any]], args: argparse.Namespace
 ) -> list[Run]:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     runs = []
     for spec in [None, *specs]:
-        method = (
-            None
-            if spec is None
-            else parse_speculative(json.loads(spec) if spec.startswith("{") else {"method": spec})
-        )
-        run = Run(f"specdecode {spec or 'plain'}")
+        run = Run(f"specdecode {spec['method'] if spec else 'plain'}")
         llm.generate(
-            [prompts[0][1]], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False, speculative=method
+            [prompts[0][1]], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False, speculative=spec
         )
         for category, ids in prompts:
             llm.engine.clear_prefix_cache()  # each prompt cold, as llama.cpp's reset
             start = time.perf_counter()
-            out = llm.generate([ids], params, use_tqdm=False, speculative=method)[0]
+            out = llm.generate([ids], params, use_tqdm=False, speculative=spec)[0]
             run.add(category, len(out.token_ids), time.perf_counter() - start, out.text)
         runs.append(run)
     return runs
@@ -165,7 +159,7 @@ def main_args(args: argparse.Namespace) -> None:
         (q["category"], llm.chat_prompt([{"role": "user", "content": q["turns"][0]}])) for q in questions
     ]
     categories = sorted({c for c, _ in prompts})
-    specs = args.spec if args.spec is not None else ["prompt_lookup"]
+    specs = args.spec if args.spec is not None else [{"method": "prompt_lookup"}]
     runs = run_llama_cpp(path, prompts, args) + run_ours(llm, prompts, specs, args)
     kernels = llm.model.kernels
     quant = kernels.quant.name if kernels.quant is not None else "none: dequantized"
@@ -189,8 +183,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--categories", nargs="*", default=None, help="only these categories")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument(
-        "--spec", action="append", default=None,
-        help="a specdecode method (name or JSON) to run besides plain; repeatable (default: prompt_lookup)",
+        "--spec", type=json.loads, action="append", default=None,
+        help="a specdecode method as JSON, besides plain decoding (repeatable; default prompt lookup)",
     )  # fmt: skip
     p.add_argument("--json", default=None, help="write the figures to this file")
     p.add_argument("--plot", default=None, help="draw the comparison to this PNG (needs matplotlib)")
