@@ -56,6 +56,19 @@ def test_products_of_stored_weights(isa: str, fmt: str) -> None:
     assert torch.equal(torch.cat([kernel.matmul(x[i : i + 1], weight) for i in range(9)]), y)
 
 
+@pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
+def test_avx2_and_avx512_give_the_same_bits(fmt: str) -> None:
+    """Both builds keep the same 16 lanes of fused multiply-adds in the same order, so a model
+    decodes the same tokens on a CPU with AVX-512 and on one with only AVX2."""
+    wide, narrow = quant_kernel("avx512"), quant_kernel("avx2")
+    if wide is None or narrow is None:
+        pytest.skip("needs both the AVX-512 and the AVX2 build")
+    weight = random_weight(fmt, 21, 768, seed=7)
+    x = torch.randn(12, 768, generator=torch.Generator().manual_seed(2))
+    for m in (1, 2, 5, 12):  # in registers, a row at a time and together; through scratch
+        assert torch.equal(wide.matmul(x[:m], weight), narrow.matmul(x[:m], weight))
+
+
 @pytest.mark.parametrize("isa", isa_params())
 def test_fused_parts_in_several_formats(isa: str) -> None:
     kernel = quant_kernel(isa)

@@ -72,7 +72,9 @@ def run(model: str, dtype: str, new_tokens: int, repeats: int, threads: int | No
     if threads:
         torch.set_num_threads(threads)
     llm = LLM(model=model, dtype=dtype)
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=resolve_dtype(dtype))
+    # "auto" runs a GGUF's weights as stored: transformers runs the same weights dequantized
+    hf_dtype = resolve_dtype("float32" if dtype == "auto" else dtype)
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=hf_dtype)
     hf = hf.to(llm.model.device).eval()
     ids = llm.chat_prompt([{"role": "user", "content": PROMPT}])
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)

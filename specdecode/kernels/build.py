@@ -62,8 +62,8 @@ def shared_library(source: Path, flags: tuple[str, ...], tag: str) -> Path | Non
 ENV_ISA = "SPECDECODE_CPU_ISA"
 ISAS = ("avx512", "avx2", "generic")  # best first
 _NEEDS = {  # the CPU flags each build's compiler flags assume
-    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx2", "fma"}),
-    "avx2": frozenset({"avx2", "fma"}),
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"}),
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
     "generic": frozenset(),
 }
 

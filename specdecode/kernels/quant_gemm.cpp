@@ -1,21 +1,24 @@
 // y (M, N) = x (M, K) @ W^T for weights kept in GGUF's block formats, on any CPU.
 //
 // W is N rows of K weights, each row a run of blocks exactly as the GGUF file stores them
-// (Q4_0, Q4_1, Q5_0, Q8_0: 32 weights a block; Q4_K, Q6_K: 256). A thread takes a contiguous run
-// of rows, NB at a time: it dequantizes those NB rows once into float32 scratch (they stay in L1
-// or L2), then multiplies every row of x over them. However many rows x has, each weight is read
-// from memory and dequantized once per forward, so verifying a draft of a few tokens costs little
-// more than decoding one.
+// (Q4_0, Q4_1, Q5_0, Q8_0: 32 weights a block; Q4_K, Q6_K: 256, in eight groups of 32). Every
+// format decodes a group of 32 weights into two vectors of 16 float lanes (V below).
 //
-// Dequantized values are those of gguf-py's `dequantize` (every product of a scale and a
-// quantized integer below is exact in float32, so the order of operations cannot change them),
-// and each output is a sum in float32 over VW lanes in ascending k, reduced in a fixed order, the
-// same whichever rows share the forward: a row's result is bitwise the same alone or in any
-// batch (for one build of this file).
+// Two ways through, with the same arithmetic:
+// - few rows of x (decoding a token, verifying a draft): each group of 32 weights is decoded in
+//   registers and multiplied straight into every row of x, so a weight is read and decoded once
+//   per forward and never stored;
+// - many rows (prefill): a thread decodes a few weight rows into float32 scratch (they stay in
+//   L1 or L2), then runs every row of x over them.
 //
-// The same source is built once per instruction set with the vector width VW of its registers
-// (SPECDECODE_VW: 16 for AVX-512, 8 for AVX2 + FMA, 4 for the portable build: SSE2 on x86, NEON
-// on ARM); the compiler vectorizes GCC vector types and the dequantization loops.
+// Dequantized values are those of gguf-py's `dequantize` (each product of a scale and a quantized
+// integer below is exact in float32). Each output is a sum kept in 16 float lanes, lane j taking
+// k = j mod 16 in ascending k by fused multiply-add, then folded in a fixed order. Both ways,
+// every build with FMA (AVX-512, AVX2) and any batch give the same sums: a row's result is
+// bitwise the same alone or with other rows, and on AVX-512 or AVX2.
+//
+// The same source is built once per instruction set: AVX-512, AVX2 + FMA + F16C, and a portable
+// build whose plain loops the compiler vectorizes for its target (SSE2 on x86, NEON on ARM).
 #include <omp.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -25,26 +28,80 @@
 #include <cstring>
 #include <vector>
 
-#ifndef SPECDECODE_VW
-#define SPECDECODE_VW 4
-#endif
-#ifndef SPECDECODE_NB
-#define SPECDECODE_NB 2
-#endif
-
 namespace {
 
-constexpr int VW = SPECDECODE_VW;
-constexpr int NB = SPECDECODE_NB;  // weight rows dequantized and multiplied together
-constexpr int MR = 4;              // rows of x per pass over the NB weight rows
-typedef float vec __attribute__((vector_size(VW * 4)));
+// Per build: G weight rows decoded into scratch together and SR rows of x per pass over them;
+// up to DIRECT rows of x decode in registers instead, RMAX rows per decode.
+// ---- 16 float lanes ---------------------------------------------------------------------------
+#if defined(__AVX512F__)
+constexpr int G = 4, SR = 4, DIRECT = 8, RMAX = 4;
 
-// ggml's type ids (ggml.h), the formats we read.
-enum Format : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+struct V {
+    __m512 v;
+};
+inline V zero() { return {_mm512_setzero_ps()}; }
+inline V loadv(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void storev(float* p, V a) { _mm512_storeu_ps(p, a.v); }
+inline V fma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline V scaled(__m128i q, float s, float a) {  // 16 int8 lanes -> float(q) * s + a
+    return {_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(s), _mm512_set1_ps(a))};
+}
+#elif defined(__AVX2__)
+constexpr int G = 2, SR = 2, DIRECT = 8, RMAX = 4;
+
+struct V {
+    __m256 lo, hi;
+};
+inline V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V loadv(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void storev(float* p, V a) {
+    _mm256_storeu_ps(p, a.lo);
+    _mm256_storeu_ps(p + 8, a.hi);
+}
+inline V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V scaled(__m128i q, float s, float a) {
+    const __m256 S = _mm256_set1_ps(s), A = _mm256_set1_ps(a);
+    return {_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), S, A),
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), S, A)};
+}
+#else
+constexpr int G = 2, SR = 1, DIRECT = 2, RMAX = 1;
+
+struct V {
+    float f[16];
+};
+inline V zero() { return V{}; }
+inline V loadv(const float* p) {
+    V a;
+    std::memcpy(a.f, p, sizeof(a.f));
+    return a;
+}
+inline void storev(float* p, V a) { std::memcpy(p, a.f, sizeof(a.f)); }
+inline V fma(V a, V b, V c) {
+    for (int j = 0; j < 16; ++j) c.f[j] += a.f[j] * b.f[j];
+    return c;
+}
+inline V scaled(const int8_t* q, float s, float a) {
+    V r;
+    for (int j = 0; j < 16; ++j) r.f[j] = float(q[j]) * s + a;
+    return r;
+}
+#endif
+
+float reduce(V a) {  // a fixed order: halves folded, then the last four left to right
+    float l[16];
+    storev(l, a);
+    for (int w = 8; w >= 4; w /= 2)
+        for (int i = 0; i < w; ++i) l[i] += l[i + w];
+    return (l[0] + l[1]) + (l[2] + l[3]);
+}
 
 float half(const uint8_t* p) {  // IEEE binary16, little-endian, to float32 (exact)
-    const uint32_t h = uint32_t(p[0]) | uint32_t(p[1]) << 8;
-    const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    const uint16_t h = uint16_t(p[0] | p[1] << 8);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
     uint32_t bits;
     if (exp == 0x1f) {
         bits = sign | 0x7f800000u | man << 13;
@@ -64,25 +121,18 @@ float half(const uint8_t* p) {  // IEEE binary16, little-endian, to float32 (exa
     float f;
     std::memcpy(&f, &bits, 4);
     return f;
-}
-
-// int8 lanes -> y = float(v) * scale + add, 16 at a time: the one conversion every format ends
-// in (each weight a scale times a small integer, exact in float32, plus at most one offset).
-#if defined(__AVX2__)
-inline void put16(__m128i v, float scale, float add, float* y) {
-#if defined(__AVX512F__)
-    _mm512_storeu_ps(y, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), _mm512_set1_ps(scale),
-                                        _mm512_set1_ps(add)));
-#else
-    const __m256 s = _mm256_set1_ps(scale), a = _mm256_set1_ps(add);
-    _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), s, a));
-    _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), s, a));
 #endif
 }
 
+// ---- the formats: group `g` of a block -> its 32 weights as lo (first 16) and hi --------------
+// ggml's type ids (ggml.h), the formats we read.
+enum Format : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+
+#if defined(__AVX2__)
 inline __m128i low_nibbles(__m128i q) { return _mm_and_si128(q, _mm_set1_epi8(0x0f)); }
 inline __m128i high_nibbles(__m128i q) { return _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0f)); }
 inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // 32 bits -> 32 bytes, byte j 0x10 where bit j is set (Q5_0's fifth bits).
 inline __m256i fifth_bits(uint32_t bits) {
@@ -95,176 +145,271 @@ inline __m256i fifth_bits(uint32_t bits) {
 
 struct Q4_0_ {
     static constexpr int weights = 32, bytes = 18;
-    static void dequant(const uint8_t* b, float* y) {  // d, 16 bytes of nibble pairs
+    static void group(const uint8_t* b, int, V& lo, V& hi) {  // d, 16 bytes of nibble pairs
         const float d = half(b);
         const __m128i q = load16(b + 2), eight = _mm_set1_epi8(8);
-        put16(_mm_sub_epi8(low_nibbles(q), eight), d, 0.0f, y);
-        put16(_mm_sub_epi8(high_nibbles(q), eight), d, 0.0f, y + 16);
+        lo = scaled(_mm_sub_epi8(low_nibbles(q), eight), d, 0.0f);
+        hi = scaled(_mm_sub_epi8(high_nibbles(q), eight), d, 0.0f);
     }
 };
 
 struct Q4_1_ {
     static constexpr int weights = 32, bytes = 20;
-    static void dequant(const uint8_t* b, float* y) {  // d, m, nibbles
+    static void group(const uint8_t* b, int, V& lo, V& hi) {  // d, m, nibbles
         const float d = half(b), m = half(b + 2);
         const __m128i q = load16(b + 4);
-        put16(low_nibbles(q), d, m, y);
-        put16(high_nibbles(q), d, m, y + 16);
+        lo = scaled(low_nibbles(q), d, m);
+        hi = scaled(high_nibbles(q), d, m);
     }
 };
 
 struct Q5_0_ {
     static constexpr int weights = 32, bytes = 22;
-    static void dequant(const uint8_t* b, float* y) {  // d, 32 fifth bits, nibbles
+    static void group(const uint8_t* b, int, V& lo, V& hi) {  // d, 32 fifth bits, nibbles
         const float d = half(b);
-        uint32_t hi;
-        std::memcpy(&hi, b + 2, 4);
-        const __m256i h = fifth_bits(hi);
+        uint32_t bits;
+        std::memcpy(&bits, b + 2, 4);
+        const __m256i h = fifth_bits(bits);
         const __m128i q = load16(b + 6), sixteen = _mm_set1_epi8(16);
-        put16(_mm_sub_epi8(_mm_or_si128(low_nibbles(q), _mm256_castsi256_si128(h)), sixteen), d, 0.0f, y);
-        put16(_mm_sub_epi8(_mm_or_si128(high_nibbles(q), _mm256_extracti128_si256(h, 1)), sixteen), d, 0.0f, y + 16);
+        lo = scaled(_mm_sub_epi8(_mm_or_si128(low_nibbles(q), _mm256_castsi256_si128(h)), sixteen), d, 0.0f);
+        hi = scaled(_mm_sub_epi8(_mm_or_si128(high_nibbles(q), _mm256_extracti128_si256(h, 1)), sixteen), d, 0.0f);
     }
 };
 
 struct Q8_0_ {
     static constexpr int weights = 32, bytes = 34;
-    static void dequant(const uint8_t* b, float* y) {  // d, 32 int8
+    static void group(const uint8_t* b, int, V& lo, V& hi) {  // d, 32 int8
         const float d = half(b);
-        put16(load16(b + 2), d, 0.0f, y);
-        put16(load16(b + 18), d, 0.0f, y + 16);
+        lo = scaled(load16(b + 2), d, 0.0f);
+        hi = scaled(load16(b + 18), d, 0.0f);
     }
 };
-
-#else  // portable: plain loops the compiler vectorizes for its target
-
-inline void put16(const int8_t* v, float scale, float add, float* __restrict y) {
-    for (int j = 0; j < 16; ++j) y[j] = float(v[j]) * scale + add;
-}
+#else  // portable: plain loops over 32 int8 lanes
 
 struct Q4_0_ {
     static constexpr int weights = 32, bytes = 18;
-    static void dequant(const uint8_t* b, float* __restrict y) {
+    static void group(const uint8_t* b, int, V& lo, V& hi) {
         const float d = half(b);
         const uint8_t* q = b + 2;
-        for (int j = 0; j < 16; ++j) y[j] = float(int(q[j] & 0xf) - 8) * d;
-        for (int j = 0; j < 16; ++j) y[j + 16] = float(int(q[j] >> 4) - 8) * d;
+        int8_t v[32];
+        for (int j = 0; j < 16; ++j) v[j] = int8_t((q[j] & 0xf) - 8), v[j + 16] = int8_t((q[j] >> 4) - 8);
+        lo = scaled(v, d, 0.0f);
+        hi = scaled(v + 16, d, 0.0f);
     }
 };
 
 struct Q4_1_ {
     static constexpr int weights = 32, bytes = 20;
-    static void dequant(const uint8_t* b, float* __restrict y) {
+    static void group(const uint8_t* b, int, V& lo, V& hi) {
         const float d = half(b), m = half(b + 2);
         const uint8_t* q = b + 4;
-        for (int j = 0; j < 16; ++j) y[j] = float(q[j] & 0xf) * d + m;
-        for (int j = 0; j < 16; ++j) y[j + 16] = float(q[j] >> 4) * d + m;
+        int8_t v[32];
+        for (int j = 0; j < 16; ++j) v[j] = int8_t(q[j] & 0xf), v[j + 16] = int8_t(q[j] >> 4);
+        lo = scaled(v, d, m);
+        hi = scaled(v + 16, d, m);
     }
 };
 
 struct Q5_0_ {
     static constexpr int weights = 32, bytes = 22;
-    static void dequant(const uint8_t* b, float* __restrict y) {
+    static void group(const uint8_t* b, int, V& lo, V& hi) {
         const float d = half(b);
-        uint32_t hi;
-        std::memcpy(&hi, b + 2, 4);
+        uint32_t bits;
+        std::memcpy(&bits, b + 2, 4);
         const uint8_t* q = b + 6;
-        for (int j = 0; j < 16; ++j) y[j] = float(int((q[j] & 0xf) | (((hi >> j) & 1) << 4)) - 16) * d;
-        for (int j = 0; j < 16; ++j) y[j + 16] = float(int((q[j] >> 4) | (((hi >> (j + 16)) & 1) << 4)) - 16) * d;
+        int8_t v[32];
+        for (int j = 0; j < 16; ++j) {
+            v[j] = int8_t(int((q[j] & 0xf) | (((bits >> j) & 1) << 4)) - 16);
+            v[j + 16] = int8_t(int((q[j] >> 4) | (((bits >> (j + 16)) & 1) << 4)) - 16);
+        }
+        lo = scaled(v, d, 0.0f);
+        hi = scaled(v + 16, d, 0.0f);
     }
 };
 
 struct Q8_0_ {
     static constexpr int weights = 32, bytes = 34;
-    static void dequant(const uint8_t* b, float* __restrict y) {
+    static void group(const uint8_t* b, int, V& lo, V& hi) {
         const float d = half(b);
         const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
-        for (int j = 0; j < 32; ++j) y[j] = float(q[j]) * d;
+        lo = scaled(q, d, 0.0f);
+        hi = scaled(q + 16, d, 0.0f);
     }
 };
 #endif
 
 struct Q4_K_ {
     static constexpr int weights = 256, bytes = 144;
-    static void dequant(const uint8_t* b, float* __restrict y) {  // d, dmin, 12 bytes of 6-bit scales/mins, 128
-        const float d = half(b), dmin = half(b + 2);
+    // d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles (groups 2i and 2i + 1 are
+    // the low and high nibbles of the same 32 bytes)
+    static void group(const uint8_t* b, int g, V& lo, V& hi) {
         const uint8_t* s = b + 4;
-        const uint8_t* q = b + 16;
-        for (int g = 0; g < 8; ++g) {  // eight groups of 32 weights, each with a scale and a min
-            int sc, mn;
-            if (g < 4) {
-                sc = s[g] & 63;
-                mn = s[g + 4] & 63;
-            } else {
-                sc = (s[g + 4] & 0xf) | ((s[g - 4] >> 6) << 4);
-                mn = (s[g + 4] >> 4) | ((s[g] >> 6) << 4);
-            }
-            const float scale = d * float(sc), offset = dmin * float(mn);
-            const uint8_t* qq = q + (g / 2) * 32;
-            float* yy = y + g * 32;
-#if defined(__AVX2__)
-            for (int h = 0; h < 2; ++h) {
-                const __m128i v = load16(qq + 16 * h);
-                put16((g & 1) ? high_nibbles(v) : low_nibbles(v), scale, -offset, yy + 16 * h);
-            }
-#else
-            int8_t v[32];
-            for (int l = 0; l < 32; ++l) v[l] = int8_t((g & 1) ? (qq[l] >> 4) : (qq[l] & 0xf));
-            put16(v, scale, -offset, yy);
-            put16(v + 16, scale, -offset, yy + 16);
-#endif
+        int sc, mn;
+        if (g < 4) {
+            sc = s[g] & 63;
+            mn = s[g + 4] & 63;
+        } else {
+            sc = (s[g + 4] & 0xf) | ((s[g - 4] >> 6) << 4);
+            mn = (s[g + 4] >> 4) | ((s[g] >> 6) << 4);
         }
+        const float scale = half(b) * float(sc), offset = half(b + 2) * float(mn);
+        const uint8_t* q = b + 16 + (g / 2) * 32;
+#if defined(__AVX2__)
+        const __m128i a = load16(q), c = load16(q + 16);
+        lo = scaled((g & 1) ? high_nibbles(a) : low_nibbles(a), scale, -offset);
+        hi = scaled((g & 1) ? high_nibbles(c) : low_nibbles(c), scale, -offset);
+#else
+        int8_t v[32];
+        for (int l = 0; l < 32; ++l) v[l] = int8_t((g & 1) ? (q[l] >> 4) : (q[l] & 0xf));
+        lo = scaled(v, scale, -offset);
+        hi = scaled(v + 16, scale, -offset);
+#endif
     }
 };
 
 struct Q6_K_ {
     static constexpr int weights = 256, bytes = 210;
-    static void dequant(const uint8_t* b, float* __restrict y) {  // 128 low nibbles, 64 of high pairs, 16 scales, d
-        const uint8_t* ql = b;
-        const uint8_t* qh = b + 128;
-        const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    // 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d. Group g: half h = g / 4
+    // of 128 weights, part p = g % 4 of it; lane l takes the low (p < 2) or high nibble of
+    // ql[l + 32 (p & 1)] and bits 2p, 2p + 1 of qh[l]; lanes 0-15 and 16-31 have a scale each.
+    static void group(const uint8_t* b, int g, V& lo, V& hi) {
+        const int h = g / 4, p = g % 4;
+        const uint8_t* ql = b + 64 * h + 32 * (p & 1);
+        const uint8_t* qh = b + 128 + 32 * h;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * h + 2 * p;
         const float d = half(b + 208);
-        for (int h = 0; h < 2; ++h) {           // two halves of 128
-            for (int l0 = 0; l0 < 32; l0 += 16) {  // lanes l0..l0+15 share their scales
-                const int is = l0 / 16;
-                int8_t v[4][16];
-                for (int l = 0; l < 16; ++l) {
-                    const int i = l0 + l;
-                    v[0][l] = int8_t(int((ql[i] & 0xf) | ((qh[i] & 3) << 4)) - 32);
-                    v[1][l] = int8_t(int((ql[i + 32] & 0xf) | (((qh[i] >> 2) & 3) << 4)) - 32);
-                    v[2][l] = int8_t(int((ql[i] >> 4) | (((qh[i] >> 4) & 3) << 4)) - 32);
-                    v[3][l] = int8_t(int((ql[i + 32] >> 4) | (((qh[i] >> 6) & 3) << 4)) - 32);
-                }
-                for (int part = 0; part < 4; ++part) {
 #if defined(__AVX2__)
-                    const __m128i lanes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v[part]));
+        const __m256i mask = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3);
+        __m256i low = load32(ql);
+        if (p >= 2) low = _mm256_srli_epi16(low, 4);
+        low = _mm256_and_si256(low, mask);
+        const __m256i top = _mm256_and_si256(_mm256_srl_epi16(load32(qh), _mm_cvtsi32_si128(2 * p)), three);
+        const __m256i v = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(top, 4)), _mm256_set1_epi8(32));
+        lo = scaled(_mm256_castsi256_si128(v), d * float(sc[0]), 0.0f);
+        hi = scaled(_mm256_extracti128_si256(v, 1), d * float(sc[1]), 0.0f);
 #else
-                    const int8_t* lanes = v[part];
-#endif
-                    put16(lanes, d * float(sc[is + 2 * part]), 0.0f, y + l0 + 32 * part);
-                }
-            }
-            y += 128;
-            ql += 64;
-            qh += 32;
-            sc += 8;
+        int8_t v[32];
+        for (int l = 0; l < 32; ++l) {
+            const int nib = p < 2 ? (ql[l] & 0xf) : (ql[l] >> 4);
+            v[l] = int8_t((nib | (((qh[l] >> (2 * p)) & 3) << 4)) - 32);
         }
+        lo = scaled(v, d * float(sc[0]), 0.0f);
+        hi = scaled(v + 16, d * float(sc[1]), 0.0f);
+#endif
     }
 };
 
+// ---- products ---------------------------------------------------------------------------------
+
+// Few rows: y[r * ldy] for the R rows of x (R, K) over one weight row w: each group of 32
+// weights is decoded once, in registers, for all R rows. (One weight row at a time: decoding
+// several rows together, to share the loads of x, read memory as several interleaved streams
+// and ran up to 1.4x slower a token in the model.)
+template <class F, int R>
+void direct(const float* x, int64_t K, const uint8_t* w, float* y, int64_t ldy) {
+    constexpr int groups = F::weights / 32;
+    V acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = zero();
+    for (int64_t b = 0; b < K / F::weights; ++b, w += F::bytes) {
+        for (int i = 0; i < groups; ++i) {
+            const int64_t k = (b * groups + i) * 32;
+            V lo, hi;
+            F::group(w, i, lo, hi);
+            for (int r = 0; r < R; ++r) acc[r] = fma(loadv(x + r * K + k + 16), hi, fma(loadv(x + r * K + k), lo, acc[r]));
+        }
+    }
+    for (int r = 0; r < R; ++r) y[r * ldy] = reduce(acc[r]);
+}
+
+// All M rows of x over one weight row: RMAX rows at a time, then the rest.
+template <class F, int R = RMAX>
+void direct_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t ldy) {
+    for (; M >= R; M -= R, x += R * K, y += R * ldy) direct<F, R>(x, K, w, y, ldy);
+    if constexpr (R > 1) direct_rows<F, R - 1>(x, M, K, w, y, ldy);
+}
+
+// Many rows: the Gn weight rows are decoded once into w (Gn, K), float32.
 template <class F>
-void dequant_row(const uint8_t* src, int64_t K, float* dst) {
-    for (int64_t k = 0; k < K; k += F::weights, src += F::bytes) F::dequant(src, dst + k);
+void decode_rows(const uint8_t* src, int64_t row_bytes, int n, int64_t K, float* w) {
+    constexpr int groups = F::weights / 32;
+    for (int g = 0; g < n; ++g, src += row_bytes, w += K) {
+        for (int64_t b = 0; b < K / F::weights; ++b) {
+            for (int i = 0; i < groups; ++i) {
+                V lo, hi;
+                F::group(src + b * F::bytes, i, lo, hi);
+                storev(w + (b * groups + i) * 32, lo);
+                storev(w + (b * groups + i) * 32 + 16, hi);
+            }
+        }
+    }
+}
+
+template <int R, int Gn>
+void dots(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
+    V acc[R][Gn];
+    for (int r = 0; r < R; ++r)
+        for (int g = 0; g < Gn; ++g) acc[r][g] = zero();
+    for (int64_t k = 0; k < K; k += 16) {
+        V wv[Gn];
+        for (int g = 0; g < Gn; ++g) wv[g] = loadv(w + g * K + k);
+        for (int r = 0; r < R; ++r) {
+            const V xv = loadv(x + r * K + k);
+            for (int g = 0; g < Gn; ++g) acc[r][g] = fma(xv, wv[g], acc[r][g]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int g = 0; g < Gn; ++g) y[r * ldy + g] = reduce(acc[r][g]);
+}
+
+template <int Gn, int R = SR>
+void dot_rows(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t ldy) {
+    for (; M >= R; M -= R, x += R * K, y += R * ldy) dots<R, Gn>(x, K, w, y, ldy);
+    if constexpr (R > 1) dot_rows<Gn, R - 1>(x, M, K, w, y, ldy);
+}
+
+template <class F>
+void product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t ldy,
+             int threads) {
+    const int64_t row_bytes = K / F::weights * F::bytes;
+    const bool few = M <= DIRECT;
+    const int64_t tiles = (N + G - 1) / G;
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> scratch(few ? 0 : size_t(G) * size_t(K));
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (int64_t i = tiles * t / nt; i < tiles * (t + 1) / nt; ++i) {
+            const int64_t n0 = i * G;
+            const int nb = int(N - n0 < G ? N - n0 : G);
+            const uint8_t* wi = w + n0 * row_bytes;
+            if (few) {
+                for (int g = 0; g < nb; ++g) direct_rows<F>(x, M, K, wi + g * row_bytes, y + n0 + g, ldy);
+            } else {
+                decode_rows<F>(wi, row_bytes, nb, K, scratch.data());
+                if (nb == G) {
+                    dot_rows<G>(x, M, K, scratch.data(), y + n0, ldy);
+                } else {
+                    for (int g = 0; g < nb; ++g) dot_rows<1>(x, M, K, scratch.data() + g * K, y + n0 + g, ldy);
+                }
+            }
+        }
+    }
+}
+
+template <class F>
+void rows(const uint8_t* w, int64_t K, const int64_t* ids, int64_t n, float* out) {
+    const int64_t row_bytes = K / F::weights * F::bytes;
+    for (int64_t i = 0; i < n; ++i) decode_rows<F>(w + ids[i] * row_bytes, row_bytes, 1, K, out + i * K);
 }
 
 struct Layout {
     int weights;  // per block
-    int bytes;
-    void (*row)(const uint8_t*, int64_t, float*);  // a row of K weights
+    void (*product)(const float*, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t, int);
+    void (*rows)(const uint8_t*, int64_t, const int64_t*, int64_t, float*);
 };
 
 template <class F>
 constexpr Layout layout() {
-    return {F::weights, F::bytes, dequant_row<F>};
+    return {F::weights, product<F>, rows<F>};
 }
 
 bool layout_of(int format, Layout* out) {
@@ -279,50 +424,9 @@ bool layout_of(int format, Layout* out) {
     }
 }
 
-float reduce(vec v) {  // a fixed order: halves folded, then the last lanes left to right
-    float lanes[VW];
-    std::memcpy(lanes, &v, sizeof(v));
-    for (int w = VW / 2; w >= 4; w /= 2)
-        for (int i = 0; i < w; ++i) lanes[i] += lanes[i + w];
-    return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
-}
-
-vec load(const float* p) {
-    vec v;
-    std::memcpy(&v, p, sizeof(v));
-    return v;
-}
-
-// y[r * ldy + g] for r < R, g < G: rows of x (R, K) over the dequantized weight rows w (G, K).
-template <int R, int G>
-void dots(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
-    vec acc[R][G];
-    for (int r = 0; r < R; ++r)
-        for (int g = 0; g < G; ++g) acc[r][g] = vec{};
-    for (int64_t k = 0; k < K; k += VW) {
-        vec wv[G];
-        for (int g = 0; g < G; ++g) wv[g] = load(w + g * K + k);
-        for (int r = 0; r < R; ++r) {
-            const vec xv = load(x + r * K + k);
-            for (int g = 0; g < G; ++g) acc[r][g] += xv * wv[g];
-        }
-    }
-    for (int r = 0; r < R; ++r)
-        for (int g = 0; g < G; ++g) y[r * ldy + g] = reduce(acc[r][g]);
-}
-
-template <int G>
-void all_rows(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t ldy) {
-    int64_t m = 0;
-    for (; m + MR <= M; m += MR) dots<MR, G>(x + m * K, K, w, y + m * ldy, ldy);
-    for (; m < M; ++m) dots<1, G>(x + m * K, K, w, y + m * ldy, ldy);
-}
-
 }  // namespace
 
 extern "C" {
-
-int specdecode_qvw() { return VW; }
 
 // y[m * ldy + n] for the N weight rows of w. 0 when done; 1: a format this file does not read;
 // 2: K not a whole number of blocks.
@@ -331,24 +435,7 @@ int specdecode_qmm(int format, const float* x, int64_t M, int64_t K, const uint8
     Layout lay;
     if (!layout_of(format, &lay)) return 1;
     if (K % lay.weights != 0) return 2;
-    const int64_t row_bytes = K / lay.weights * lay.bytes;
-    const int64_t groups = (N + NB - 1) / NB;
-#pragma omp parallel num_threads(threads)
-    {
-        std::vector<float> scratch(size_t(NB) * size_t(K));
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
-        for (int64_t g = g0; g < g1; ++g) {
-            const int64_t n0 = g * NB;
-            const int nb = int(N - n0 < NB ? N - n0 : NB);
-            for (int i = 0; i < nb; ++i) lay.row(w + (n0 + i) * row_bytes, K, scratch.data() + i * K);
-            if (nb == NB) {
-                all_rows<NB>(x, M, K, scratch.data(), y + n0, ldy);
-            } else {
-                for (int i = 0; i < nb; ++i) all_rows<1>(x, M, K, scratch.data() + i * K, y + n0 + i, ldy);
-            }
-        }
-    }
+    lay.product(x, M, K, w, N, y, ldy, threads);
     return 0;
 }
 
@@ -357,8 +444,7 @@ int specdecode_qrows(int format, const uint8_t* w, int64_t K, const int64_t* ids
     Layout lay;
     if (!layout_of(format, &lay)) return 1;
     if (K % lay.weights != 0) return 2;
-    const int64_t row_bytes = K / lay.weights * lay.bytes;
-    for (int64_t i = 0; i < n; ++i) lay.row(w + ids[i] * row_bytes, K, out + i * K);
+    lay.rows(w, K, ids, n, out);
     return 0;
 }
 
