@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.kernels import REFERENCE, cpu_gemm
+from specdecode.kernels import REFERENCE, build, cpu_gemm
 from specdecode.kernels.cpu import cpu_kernels
+from specdecode.kernels.cpu_isa import HEAD_DIMS, RowOps, row_ops
 from specdecode.layers.linear import Dense
 from specdecode.models.transformer import Transformer
 
@@ -140,12 +141,26 @@ def _attention_case(d: int, seed: int) -> dict:
     return dict(q=q, k=k, v=v, cache_k=cache_k, cache_v=cache_v, sees=sees, new_slots=new_slots)
 
 
-def _run_attention(case: dict, rows: list[int]) -> torch.Tensor:
+def isa_ops() -> list[object]:
+    """Each instruction set's build of the row kernels, skipped where it cannot run here."""
+    return [
+        pytest.param(isa, marks=pytest.mark.skipif(row_ops(isa) is None, reason=f"no {isa} build here"))
+        for isa in build.ISAS
+    ]
+
+
+def ops_of(isa: str) -> RowOps:
+    ops = row_ops(isa)
+    assert ops is not None
+    return ops
+
+
+def _run_attention(case: dict, rows: list[int], ops: RowOps) -> torch.Tensor:
     cache_k, cache_v = case["cache_k"].clone(), case["cache_v"].clone()
     sees = [case["sees"][r] for r in rows]
     row_ptr = torch.tensor([0] + [len(s) for s in sees]).cumsum(0)
     out = torch.full((5, case["q"].shape[0], case["q"].shape[2]), float("nan"))
-    cpu_gemm.attend_rows(
+    ops(
         case["q"], case["k"], case["v"], cache_k, cache_v, torch.tensor(rows),
         case["new_slots"][rows], row_ptr, torch.cat(sees), out,
     )  # fmt: skip
@@ -154,11 +169,11 @@ def _run_attention(case: dict, rows: list[int]) -> torch.Tensor:
     return out
 
 
-@needs_kernel
-@pytest.mark.parametrize("d", cpu_gemm.ATTENTION_HEAD_DIMS)
-def test_attention_kernel_equals_sdpa_over_each_rows_slots(d: int) -> None:
+@pytest.mark.parametrize("isa", isa_ops())
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_attention_kernel_equals_sdpa_over_each_rows_slots(isa: str, d: int) -> None:
     case = _attention_case(d, seed=d)
-    out = _run_attention(case, [0, 1, 2, 3, 4])
+    out = _run_attention(case, [0, 1, 2, 3, 4], ops_of(isa))
     cache_k, cache_v = case["cache_k"].clone(), case["cache_v"].clone()
     cache_k[:, case["new_slots"]], cache_v[:, case["new_slots"]] = case["k"], case["v"]
     group = case["q"].shape[0] // cache_k.shape[0]
@@ -169,30 +184,47 @@ def test_attention_kernel_equals_sdpa_over_each_rows_slots(d: int) -> None:
         torch.testing.assert_close(out[r], want[:, 0], rtol=1e-5, atol=1e-5)
 
 
-@needs_kernel
-def test_attention_kernel_rows_do_not_depend_on_the_batch() -> None:
+@pytest.mark.parametrize("isa", isa_ops())
+def test_attention_kernel_rows_do_not_depend_on_the_batch(isa: str) -> None:
     case = _attention_case(64, seed=1)
-    together = _run_attention(case, [0, 1, 2, 3, 4])
+    ops = ops_of(isa)
+    together = _run_attention(case, [0, 1, 2, 3, 4], ops)
     # B's rows need their ancestors' new keys: run B's tree alone, and A's row alone.
-    assert torch.equal(_run_attention(case, [0])[0], together[0])
-    assert torch.equal(_run_attention(case, [1, 2, 3, 4])[1:], together[1:])
+    assert torch.equal(_run_attention(case, [0], ops)[0], together[0])
+    assert torch.equal(_run_attention(case, [1, 2, 3, 4], ops)[1:], together[1:])
 
 
-@needs_kernel
+def test_row_kernels_give_the_same_bits_on_avx2_and_avx512() -> None:
+    wide, narrow = row_ops("avx512"), row_ops("avx2")
+    if wide is None or narrow is None:
+        pytest.skip("needs both the AVX-512 and the AVX2 build")
+    case = _attention_case(64, seed=3)
+    assert torch.equal(
+        _run_attention(case, [0, 1, 2, 3, 4], wide), _run_attention(case, [0, 1, 2, 3, 4], narrow)
+    )
+    x, w = torch.randn(3, 576), torch.randn(576)
+    assert torch.equal(wide.rms_norm(x, w, 1e-5), narrow.rms_norm(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("isa", isa_ops())
 @pytest.mark.parametrize(("m", "c"), [(1, 576), (7, 64), (3, 40)])
-def test_rms_norm_kernel_equals_torch_and_ignores_the_batch(m: int, c: int) -> None:
+def test_rms_norm_kernel_equals_torch_and_ignores_the_batch(isa: str, m: int, c: int) -> None:
+    ops = ops_of(isa)
     gen = torch.Generator().manual_seed(c)
     x, w = torch.randn(m, c, generator=gen) * 3, torch.randn(c, generator=gen)
-    got = cpu_gemm.rms_norm(x, w, 1e-5)
-    assert got is not None
+    got = ops.rms_norm(x, w, 1e-5)
     torch.testing.assert_close(got, torch.nn.functional.rms_norm(x, (c,), w, 1e-5), rtol=1e-5, atol=1e-6)
-    assert torch.equal(torch.cat([cpu_gemm.rms_norm(x[i : i + 1], w, 1e-5) for i in range(m)]), got)
-    assert cpu_gemm.rms_norm(x.double(), w, 1e-5) is None  # other dtypes: the caller's fallback
+    assert torch.equal(torch.cat([ops.rms_norm(x[i : i + 1], w, 1e-5) for i in range(m)]), got)
+    # other dtypes: torch's
+    torch.testing.assert_close(
+        ops.rms_norm(x.double(), w.double(), 1e-5),
+        torch.nn.functional.rms_norm(x.double(), (c,), w.double(), 1e-5),
+    )
 
 
-@needs_kernel
-@pytest.mark.parametrize("d", cpu_gemm.ATTENTION_HEAD_DIMS)
-def test_attention_kernel_rotates_queries_and_keys_bitwise_as_torch(d: int) -> None:
+@pytest.mark.parametrize("isa", isa_ops())
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_attention_kernel_rotates_queries_and_keys_bitwise_as_torch(isa: str, d: int) -> None:
     """Rotary inside the kernel (decode rows) must equal torch's (SDPA segments) to the bit: both
     write keys into the same caches."""
     from specdecode.attention import apply_rotary
@@ -201,11 +233,12 @@ def test_attention_kernel_rotates_queries_and_keys_bitwise_as_torch(d: int) -> N
     angles = torch.rand(5, d // 2, generator=torch.Generator().manual_seed(d)) * 6  # (T, D/2)
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()  # (T, D)
     rotated = dict(case, q=apply_rotary(case["q"], cos, sin), k=apply_rotary(case["k"], cos, sin))
-    want = _run_attention(rotated, [0, 1, 2, 3, 4])  # also checks the rotated keys went into the cache
+    ops = ops_of(isa)
+    want = _run_attention(rotated, [0, 1, 2, 3, 4], ops)  # also checks the rotated keys went into the cache
     cache_k, cache_v = case["cache_k"].clone(), case["cache_v"].clone()
     sees = case["sees"]
     out = torch.full_like(want, float("nan"))
-    cpu_gemm.attend_rows(
+    ops(
         case["q"], case["k"], case["v"], cache_k, cache_v, torch.arange(5), case["new_slots"],
         torch.tensor([0] + [len(s) for s in sees]).cumsum(0), torch.cat(sees), out, cos, sin,
     )  # fmt: skip

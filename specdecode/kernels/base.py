@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -39,7 +40,7 @@ class LinearKernel(Protocol):
 
 class AttendRows(Protocol):
     """Attention of listed rows over listed cache slots, straight from a paged or static cache,
-    rotary applied to the new rows inside (the CPU kernel's contract: see `cpu_gemm.attend_rows`)."""
+    rotary applied to the new rows inside (the CPU kernel's contract: see `cpu_isa.RowOps`)."""
 
     head_dims: tuple[int, ...]
 
@@ -139,9 +140,21 @@ class QuantWeight:
     in_features: int
     parts: tuple[QuantPart, ...]
 
-    @property
+    @functools.cached_property
     def out_features(self) -> int:
         return sum(p.rows for p in self.parts)
+
+    @functools.cached_property
+    def calls(self) -> tuple[tuple[int, int, int, int], ...]:
+        """Per part: (ggml type id, data address, rows, first output column), what a kernel
+        call takes; worked out once (a decoding step makes ~120 products)."""
+        firsts = [0]
+        for p in self.parts:
+            firsts.append(firsts[-1] + p.rows)
+        return tuple(
+            (QUANT_FORMATS[p.format][0], p.data.data_ptr(), p.rows, first)
+            for p, first in zip(self.parts, firsts, strict=False)
+        )
 
     @property
     def nbytes(self) -> int:

@@ -34,24 +34,26 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
-def shared_library(source: Path, flags: tuple[str, ...], tag: str) -> Path | None:
-    """`source` compiled with `flags` into a cached shared library (keyed by the source, flags,
-    compiler and CPU), or None where no compiler is here or it fails."""
+def shared_library(name: str, sources: tuple[Path, ...], flags: tuple[str, ...]) -> Path | None:
+    """`sources` compiled with `flags` into one cached shared library (keyed by the sources, the
+    headers beside them, the flags, the compiler and the CPU), or None where no compiler is here
+    or it fails."""
     cxx = compiler()
     if cxx is None:
         return None
-    text = source.read_bytes()
+    headers = sorted({h for src in sources for h in src.parent.glob("*.h")})
+    text = b"".join(path.read_bytes() for path in (*sources, *headers))
     key = hashlib.sha256(
         text + " ".join(flags).encode() + cxx.encode() + " ".join(sorted(cpu_flags())).encode()
     ).hexdigest()[:16]
-    out = cache_root() / "kernels" / f"{source.stem}-{tag}-{key}.so"
+    out = cache_root() / "kernels" / f"{name}-{key}.so"
     if out.is_file():
         return out
     try:
         with atomic_file(out) as tmp:
-            cmd = [cxx, "-O3", *flags, "-fopenmp", "-shared", "-fPIC", str(source), "-o", str(tmp)]
+            cmd = [cxx, "-O3", *flags, "-fopenmp", "-shared", "-fPIC", *map(str, sources), "-o", str(tmp)]
             if subprocess.run(cmd, capture_output=True).returncode != 0:
-                raise RuntimeError(f"{cxx} could not build {source.name}")  # nothing is published
+                raise RuntimeError(f"{cxx} could not build {name}")  # nothing is published
     except (OSError, RuntimeError):
         return None
     return out

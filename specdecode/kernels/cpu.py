@@ -1,4 +1,5 @@
-"""Our CPU kernels behind the kernel interface (the compiled functions are in `cpu_gemm`).
+"""Our CPU kernels behind the kernel interface (the compiled functions: `cpu_gemm` for AVX-512's
+float tiles, `cpu_isa` for everything built per instruction set).
 
 - `TiledF32`: float32 weights in 32-column tiles, each read once for up to 12 rows, so a forward
   over the handful of tokens a speculative step verifies costs about what a one-token forward
@@ -9,7 +10,8 @@
   time of the float32 product.
 - `BF16Layers`: a bfloat16 model's layers in the same tiles: the kernel for a few rows, oneDNN for
   a prefill chunk (it blocks over many rows far better).
-- the fused RMS norm and the row-attention kernel.
+- per instruction set (`cpu_isa`): the fused RMS norm, the row-attention kernel and the products
+  of weights kept in GGUF block formats.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from torch import Tensor
 
 from specdecode.kernels import cpu_gemm
 from specdecode.kernels.base import Kernels
+from specdecode.kernels.cpu_isa import row_ops
 from specdecode.kernels.quant import quant_kernel
 from specdecode.kernels.reference import REFERENCE, TorchApprox
-from specdecode.kernels.reference import rms_norm as torch_rms_norm
 
 
 class TiledF32:
@@ -87,30 +89,21 @@ class BF16Layers(TiledBF16):
         return y
 
 
-class AttendRows:
-    head_dims: tuple[int, ...] = cpu_gemm.ATTENTION_HEAD_DIMS
-
-    def __call__(self, *args: Tensor) -> None:
-        cpu_gemm.attend_rows(*args)
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """One fused kernel instead of six (torch's costs ~40 us): decoding is op-bound too."""
-    y = cpu_gemm.rms_norm(x, weight, eps)
-    return y if y is not None else torch_rms_norm(x, weight, eps)
-
-
 @functools.cache
 def cpu_kernels(isa: str) -> Kernels:
     """Our CPU kernels for the instruction set `isa` (`build.ISAS`), PyTorch's where ours cannot
-    be had here (no compiler). The float32 kernels need AVX-512; bfloat16 weights and the
+    be had here (no compiler). Every set has our RMS norm, row attention and products of weights
+    kept in GGUF block formats; the float32 tiles need AVX-512, and bfloat16 weights and the
     approximate product use the bf16 kernel where the CPU has AVX512_BF16, else PyTorch's
-    bfloat16 matmul. Weights kept in GGUF block formats run on `isa`'s quantized products."""
+    bfloat16 matmul."""
+    ops = row_ops(isa)
+    if ops is None:
+        return REFERENCE
     quant = quant_kernel(isa)
     if isa != "avx512" or cpu_gemm.kernel() is None:
-        return replace(REFERENCE, name=f"cpu-{isa}" if quant else REFERENCE.name, quant=quant)
+        return replace(REFERENCE, name=f"cpu-{isa}", rms_norm=ops.rms_norm, attend_rows=ops, quant=quant)
     bf16 = cpu_gemm.kernel_bf16() is not None
     linears = (TiledF32(), BF16Layers()) if bf16 else (TiledF32(),)
     approx = (TiledBF16(), TorchApprox()) if bf16 else (TorchApprox(),)
     linears = (*linears, *REFERENCE.linears)
-    return Kernels("cpu-avx512", linears, approx, rms_norm, AttendRows(), fast_bf16=bf16, quant=quant)
+    return Kernels("cpu-avx512", linears, approx, ops.rms_norm, ops, fast_bf16=bf16, quant=quant)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 from pathlib import Path
 
 import torch
@@ -40,7 +39,7 @@ def _library() -> ctypes.CDLL | None:
     instruction set below AVX-512 forced by SPECDECODE_CPU_ISA)."""
     if not build.is_x86() or "avx512f" not in build.cpu_flags() or build.forced_isa() not in (None, "avx512"):
         return None
-    lib_path = build.shared_library(_SOURCE, ("-march=native",), "native")
+    lib_path = build.shared_library("cpu_gemm-native", (_SOURCE,), ("-march=native",))
     if lib_path is None:
         return None
     try:  # torch is imported already, so the kernels' libgomp.so.1 is torch's: one thread pool
@@ -50,16 +49,6 @@ def _library() -> ctypes.CDLL | None:
     for fn in (lib.specdecode_tiled_mm, lib.specdecode_tiled_mm_bf16):
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         fn.restype = ctypes.c_int
-    p, i = ctypes.c_void_p, ctypes.c_int64
-    # q, k, v (pointer, head stride, row stride); caches, head stride; rows, slots, count; CSR;
-    # out, row stride; H, H_kv, D; scale; cos, sin; threads
-    lib.specdecode_attend_rows.argtypes = (
-        [p, i, i] * 3 + [p, p, i] + [p, p, i] + [p, p] + [p, i] + [i, i, i] + [ctypes.c_float]
-        + [p, p] + [ctypes.c_int]
-    )  # fmt: skip
-    lib.specdecode_attend_rows.restype = ctypes.c_int
-    lib.specdecode_rms_norm.argtypes = [p, p, p, i, i, ctypes.c_float]
-    lib.specdecode_rms_norm.restype = None
     return lib
 
 
@@ -75,71 +64,6 @@ def kernel_bf16() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The bfloat16 one (`specdecode_tiled_mm_bf16`), where the CPU has AVX512_BF16."""
     lib = _library()
     return None if lib is None or "avx512_bf16" not in build.cpu_flags() else lib.specdecode_tiled_mm_bf16
-
-
-@functools.cache
-def attention_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """`specdecode_attend_rows`: attention of listed rows over listed cache slots (see the .cpp)."""
-    lib = _library()
-    return None if lib is None else lib.specdecode_attend_rows
-
-
-ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """x (..., C) float32 on CPU -> RMS-normalised and scaled by `weight` (C,), or None where the
-    kernel cannot take it (no kernel, other dtype or device, gradients wanted)."""
-    lib = _library()
-    if (
-        lib is None
-        or x.dtype is not torch.float32
-        or not x.is_cpu
-        or weight.dtype is not torch.float32
-        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-    ):
-        return None
-    x = x.contiguous()
-    y = torch.empty_like(x)
-    c = x.shape[-1]
-    lib.specdecode_rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // c, c, eps)
-    return y
-
-
-def attend_rows(
-    q: torch.Tensor,  # (H, T, D) float32, any strides with unit last stride
-    k: torch.Tensor,  # (H_kv, T, D) the new keys, rotary applied
-    v: torch.Tensor,  # (H_kv, T, D) the new values
-    cache_k: torch.Tensor,  # (H_kv, S, D) the layer's key slots
-    cache_v: torch.Tensor,  # (H_kv, S, D)
-    rows: torch.Tensor,  # (R,) long: which of the T rows to compute
-    new_slots: torch.Tensor,  # (R,) long: the slot each row's key/value is stored at
-    row_ptr: torch.Tensor,  # (R+1,) long: row r sees slots idx[row_ptr[r]:row_ptr[r+1]]
-    idx: torch.Tensor,  # (nnz,) long
-    out: torch.Tensor,  # (T, H, D) float32 contiguous: rows `rows` are written
-    cos: torch.Tensor | None = None,  # (T, D) contiguous: rotary tables at each row's position
-    sin: torch.Tensor | None = None,  # (T, D)
-) -> None:
-    """Store the rows' new keys/values in the cache, then softmax(q k^T / sqrt(D)) v over each
-    row's slots into `out`. With `cos`/`sin`, q and the new keys are rotated first (bitwise as
-    `attention.apply_rotary` does). Needs `attention_kernel()` and D in ATTENTION_HEAD_DIMS."""
-    fn = attention_kernel()
-    h, _, d = q.shape
-    hkv = k.shape[0]
-    assert fn is not None and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-    assert cache_k.stride() == cache_v.stride() and cache_k.stride(1) == d
-    done = fn(
-        q.data_ptr(), q.stride(0), q.stride(1),
-        k.data_ptr(), k.stride(0), k.stride(1),
-        v.data_ptr(), v.stride(0), v.stride(1),
-        cache_k.data_ptr(), cache_v.data_ptr(), cache_k.stride(0),
-        rows.data_ptr(), new_slots.data_ptr(), rows.shape[0], row_ptr.data_ptr(), idx.data_ptr(),
-        out.data_ptr(), out.stride(0), h, hkv, d, 1.0 / math.sqrt(d),
-        None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    if done != 0:
-        raise ValueError(f"attention kernel: unsupported shape (H={h}, H_kv={hkv}, D={d})")
 
 
 def tile_weight(weight_t: torch.Tensor) -> torch.Tensor:

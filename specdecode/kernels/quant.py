@@ -1,60 +1,20 @@
-"""Products with weights kept in GGUF's block formats, on every CPU (`quant_gemm.cpp`).
-
-The source is built once per instruction set (AVX-512, AVX2 + FMA, and a portable build that the
-compiler vectorizes for whatever it targets: SSE2 on x86, NEON on ARM); `SPECDECODE_CPU_ISA`
-forces one. Each forward decodes a weight block once for all the rows of x (in registers for a
-few rows, into float32 scratch for many), so verifying a draft adds only its multiply-adds to
-what decoding one token costs; a row's result does not depend on the other rows, and the AVX-512
-and AVX2 builds give the same bits.
+"""Products with weights kept in GGUF's block formats, on every CPU (`quant_gemm.cpp`, built per
+instruction set by `cpu_isa`). Each forward decodes a weight block once for all the rows of x
+(in registers for a few rows, into float32 scratch for many), so verifying a draft adds only its
+multiply-adds to what decoding one token costs; a row's result does not depend on the other
+rows, and the AVX-512 and AVX2 builds give the same bits.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-from pathlib import Path
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from specdecode.kernels import build
 from specdecode.kernels.base import QUANT_FORMATS, QuantWeight
-
-_SOURCE = Path(__file__).with_name("quant_gemm.cpp")
-_BUILDS = {  # compiler flags and defines of each instruction set's build
-    "avx512": (
-        "-mavx512f",
-        "-mavx512bw",
-        "-mavx512vl",
-        "-mavx2",
-        "-mfma",
-        "-mf16c",
-    ),
-    "avx2": ("-mavx2", "-mfma", "-mf16c"),
-    "generic": (),
-}
-
-
-@functools.cache
-def library(isa: str) -> ctypes.CDLL | None:
-    """The `isa` build of the kernels, or None where it cannot be had (no compiler, or the CPU
-    cannot run it)."""
-    if not build.isa_runs_here(isa):
-        return None
-    path = build.shared_library(_SOURCE, ("-ffp-contract=fast", *_BUILDS[isa]), isa)
-    if path is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError:
-        return None
-    p, i = ctypes.c_void_p, ctypes.c_int64
-    lib.specdecode_qmm.argtypes = [ctypes.c_int, p, i, i, p, i, p, i, ctypes.c_int]
-    lib.specdecode_qmm.restype = ctypes.c_int
-    lib.specdecode_qrows.argtypes = [ctypes.c_int, p, i, p, i, p]
-    lib.specdecode_qrows.restype = ctypes.c_int
-    return lib
+from specdecode.kernels.cpu_isa import library
 
 
 class QuantCPU:
@@ -67,21 +27,17 @@ class QuantCPU:
         self.name = f"cpu-quant-{isa}"
 
     def matmul(self, x: Tensor, weight: QuantWeight, bias: Tensor | None = None) -> Tensor:
-        x = x.detach().float().contiguous()  # (M, in)
+        if x.dtype is not torch.float32 or x.requires_grad or not x.is_contiguous():
+            x = x.detach().float().contiguous()  # (M, in)
         m, k = x.shape
         n = weight.out_features
         y = torch.empty(m, n)  # (M, out)
         if m:
-            threads, offset = torch.get_num_threads(), 0
-            for part in weight.parts:
-                fmt = QUANT_FORMATS[part.format][0]
-                out = y.data_ptr() + 4 * offset
-                done = self._lib.specdecode_qmm(
-                    fmt, x.data_ptr(), m, k, part.data.data_ptr(), part.rows, out, n, threads
-                )
-                if done != 0:
-                    raise ValueError(f"{self.name}: cannot multiply {part.format} rows of {k} weights")
-                offset += part.rows
+            threads, xp, yp = torch.get_num_threads(), x.data_ptr(), y.data_ptr()
+            for fmt, data, rows, first in weight.calls:
+                if self._lib.specdecode_qmm(fmt, xp, m, k, data, rows, yp + 4 * first, n, threads) != 0:
+                    name = next(f for f, (i, _, _) in QUANT_FORMATS.items() if i == fmt)
+                    raise ValueError(f"{self.name}: cannot multiply {name} rows of {k} weights")
         if bias is not None:
             y += bias
         return y

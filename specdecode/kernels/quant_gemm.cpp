@@ -12,53 +12,36 @@
 //   L1 or L2), then runs every row of x over them.
 //
 // Dequantized values are those of gguf-py's `dequantize` (each product of a scale and a quantized
-// integer below is exact in float32). Each output is a sum kept in 16 float lanes, lane j taking
-// k = j mod 16 in ascending k by fused multiply-add, then folded in a fixed order. Both ways,
+// integer below is exact in float32). Each output is a sum kept in 16 float lanes (lanes.h), lane
+// j taking k = j mod 16 in ascending k by fused multiply-add, then folded in a fixed order. Both ways,
 // every build with FMA (AVX-512, AVX2) and any batch give the same sums: a row's result is
 // bitwise the same alone or with other rows, and on AVX-512 or AVX2.
 //
 // The same source is built once per instruction set: AVX-512, AVX2 + FMA + F16C, and a portable
 // build whose plain loops the compiler vectorizes for its target (SSE2 on x86, NEON on ARM).
 #include <omp.h>
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "lanes.h"
+
 namespace {
+
+using namespace lanes;
 
 // Per build: G weight rows decoded into scratch together and SR rows of x per pass over them;
 // up to DIRECT rows of x decode in registers instead, RMAX rows per decode.
-// ---- 16 float lanes ---------------------------------------------------------------------------
 #if defined(__AVX512F__)
 constexpr int G = 4, SR = 4, DIRECT = 8, RMAX = 4;
 
-struct V {
-    __m512 v;
-};
-inline V zero() { return {_mm512_setzero_ps()}; }
-inline V loadv(const float* p) { return {_mm512_loadu_ps(p)}; }
-inline void storev(float* p, V a) { _mm512_storeu_ps(p, a.v); }
-inline V fma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline V scaled(__m128i q, float s, float a) {  // 16 int8 lanes -> float(q) * s + a
     return {_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(s), _mm512_set1_ps(a))};
 }
 #elif defined(__AVX2__)
 constexpr int G = 2, SR = 2, DIRECT = 8, RMAX = 4;
 
-struct V {
-    __m256 lo, hi;
-};
-inline V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-inline V loadv(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-inline void storev(float* p, V a) {
-    _mm256_storeu_ps(p, a.lo);
-    _mm256_storeu_ps(p + 8, a.hi);
-}
-inline V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 inline V scaled(__m128i q, float s, float a) {
     const __m256 S = _mm256_set1_ps(s), A = _mm256_set1_ps(a);
     return {_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), S, A),
@@ -67,34 +50,12 @@ inline V scaled(__m128i q, float s, float a) {
 #else
 constexpr int G = 2, SR = 1, DIRECT = 2, RMAX = 1;
 
-struct V {
-    float f[16];
-};
-inline V zero() { return V{}; }
-inline V loadv(const float* p) {
-    V a;
-    std::memcpy(a.f, p, sizeof(a.f));
-    return a;
-}
-inline void storev(float* p, V a) { std::memcpy(p, a.f, sizeof(a.f)); }
-inline V fma(V a, V b, V c) {
-    for (int j = 0; j < 16; ++j) c.f[j] += a.f[j] * b.f[j];
-    return c;
-}
 inline V scaled(const int8_t* q, float s, float a) {
     V r;
     for (int j = 0; j < 16; ++j) r.f[j] = float(q[j]) * s + a;
     return r;
 }
 #endif
-
-float reduce(V a) {  // a fixed order: halves folded, then the last four left to right
-    float l[16];
-    storev(l, a);
-    for (int w = 8; w >= 4; w /= 2)
-        for (int i = 0; i < w; ++i) l[i] += l[i + w];
-    return (l[0] + l[1]) + (l[2] + l[3]);
-}
 
 float half(const uint8_t* p) {  // IEEE binary16, little-endian, to float32 (exact)
     const uint16_t h = uint16_t(p[0] | p[1] << 8);

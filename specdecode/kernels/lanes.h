@@ -1,0 +1,129 @@
+// 16 float32 lanes, the unit our per-instruction-set kernels compute in (quant_gemm.cpp,
+// row_ops.cpp): one zmm register on AVX-512, two ymm on AVX2, plain arrays the compiler
+// vectorizes elsewhere. Lane j of a sum over k takes k = j mod 16, and `reduce` folds the lanes
+// in one fixed order, so every build with fused multiply-add gives the same bits.
+#pragma once
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace lanes {
+
+#if defined(__AVX512F__)
+struct V {
+    __m512 v;
+};
+inline V zero() { return {_mm512_setzero_ps()}; }
+inline V set1(float a) { return {_mm512_set1_ps(a)}; }
+inline V loadv(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void storev(float* p, V a) { _mm512_storeu_ps(p, a.v); }
+inline V fma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline V add(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V sub(V a, V b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline V mul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V maxv(V a, V b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline V round_even(V a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+inline V pow2(V n) {  // 2^n for whole n in [-126, 127]
+    const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(e, 23))};
+}
+#elif defined(__AVX2__)
+struct V {
+    __m256 lo, hi;
+};
+inline V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V set1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+inline V loadv(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void storev(float* p, V a) {
+    _mm256_storeu_ps(p, a.lo);
+    _mm256_storeu_ps(p + 8, a.hi);
+}
+inline V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V add(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V sub(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline V mul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V maxv(V a, V b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline V round_even(V a) {
+    constexpr int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    return {_mm256_round_ps(a.lo, mode), _mm256_round_ps(a.hi, mode)};
+}
+inline __m256 pow2_8(__m256 n) {
+    const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+}
+inline V pow2(V n) { return {pow2_8(n.lo), pow2_8(n.hi)}; }
+#else
+struct V {
+    float f[16];
+};
+inline V zero() { return V{}; }
+inline V set1(float a) {
+    V r;
+    for (float& x : r.f) x = a;
+    return r;
+}
+inline V loadv(const float* p) {
+    V a;
+    std::memcpy(a.f, p, sizeof(a.f));
+    return a;
+}
+inline void storev(float* p, V a) { std::memcpy(p, a.f, sizeof(a.f)); }
+inline V fma(V a, V b, V c) {
+    for (int j = 0; j < 16; ++j) c.f[j] += a.f[j] * b.f[j];
+    return c;
+}
+inline V add(V a, V b) {
+    for (int j = 0; j < 16; ++j) a.f[j] += b.f[j];
+    return a;
+}
+inline V sub(V a, V b) {
+    for (int j = 0; j < 16; ++j) a.f[j] -= b.f[j];
+    return a;
+}
+inline V mul(V a, V b) {
+    for (int j = 0; j < 16; ++j) a.f[j] *= b.f[j];
+    return a;
+}
+inline V maxv(V a, V b) {
+    for (int j = 0; j < 16; ++j) a.f[j] = a.f[j] > b.f[j] ? a.f[j] : b.f[j];
+    return a;
+}
+inline V round_even(V a) {
+    for (float& x : a.f) x = std::nearbyint(x);  // the default rounding mode: to nearest, even
+    return a;
+}
+inline V pow2(V n) {
+    for (float& x : n.f) {
+        const uint32_t bits = uint32_t(int32_t(x) + 127) << 23;
+        std::memcpy(&x, &bits, 4);
+    }
+    return n;
+}
+#endif
+
+inline float reduce(V a) {  // a fixed order: halves folded, then the last four left to right
+    float l[16];
+    storev(l, a);
+    for (int w = 8; w >= 4; w /= 2)
+        for (int i = 0; i < w; ++i) l[i] += l[i + w];
+    return (l[0] + l[1]) + (l[2] + l[3]);
+}
+
+// e^x for x <= 0 (scores minus their maximum): 2^n e^r with |r| <= ln2/2 and a degree-6 Taylor
+// polynomial (truncation below 1e-7 relative); under -87 the result is ~0 anyway.
+inline V exp_nonpositive(V x) {
+    x = maxv(x, set1(-87.0f));
+    const V n = round_even(mul(x, set1(1.44269504088896341f)));
+    V r = fma(n, set1(-0.693145751953125f), x);     // ln2, high part
+    r = fma(n, set1(-1.428606765330187e-06f), r);   // ln2, low part
+    V p = set1(1.0f / 720);
+    for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = fma(p, r, set1(c));
+    return mul(p, pow2(n));
+}
+
+}  // namespace lanes

@@ -1,0 +1,167 @@
+// The rest of a decoding forward's few rows, per instruction set (lanes.h): attention of listed
+// rows over listed cache slots, and RMS norm.
+//
+// Attention: the rows of a forward (single requests, every sequence of an in-flight batch, the
+// nodes of a draft tree) each attend to their own list of slots of one paged cache (their prefix,
+// and for a tree node its ancestors), so a ragged batch of many sequences is one call per layer
+// instead of a gather and an SDPA per sequence. A row's output depends only on its own query and
+// slots, in a fixed order: bitwise the same alone or in any batch, whatever the thread count.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "lanes.h"
+
+namespace {
+
+using namespace lanes;
+
+// Rotary embedding of one head's row: y = x * cos + rotate_half(x) * sin, each product and the sum
+// rounded as torch's three elementwise ops round them (no fused multiply-add), so keys rotated here
+// and keys rotated by torch (prefill chunks through SDPA) are bitwise the same.
+__attribute__((optimize("fp-contract=off"))) void rotate(const float* __restrict x, const float* __restrict cos,
+                                                          const float* __restrict sin, int64_t D,
+                                                          float* __restrict y) {
+    const int64_t half = D / 2;
+    for (int64_t d = 0; d < D; ++d) {
+        const float r = d < half ? -x[d + half] : x[d - half];
+        const float a = x[d] * cos[d];
+        const float b = r * sin[d];
+        y[d] = a + b;
+    }
+}
+
+// One query row of one head: softmax(q . k_j * scale) over the row's L slots, times v_j.
+// NC = head_dim / 16. `s` is scratch for L scores rounded up to 16.
+template <int NC>
+void attend_row(const float* __restrict q, const float* __restrict kc, const float* __restrict vc,
+                const int64_t* __restrict idx, int64_t L, float scale, float* __restrict out, float* __restrict s) {
+    constexpr int64_t D = NC * 16;
+    V qv[NC];
+    for (int c = 0; c < NC; ++c) qv[c] = loadv(q + c * 16);
+    float m = -INFINITY;
+    for (int64_t j = 0; j < L; ++j) {
+        const float* k = kc + idx[j] * D;
+        V acc = mul(qv[0], loadv(k));
+        for (int c = 1; c < NC; ++c) acc = fma(qv[c], loadv(k + c * 16), acc);
+        const float x = reduce(acc) * scale;
+        s[j] = x;
+        m = x > m ? x : m;
+    }
+    const int64_t padded = (L + 15) / 16 * 16;
+    std::fill(s + L, s + padded, m);
+    const V mv = set1(m);
+    V total = zero();
+    for (int64_t j = 0; j < L; j += 16) storev(s + j, exp_nonpositive(sub(loadv(s + j), mv)));
+    std::fill(s + L, s + padded, 0.0f);  // past the last slot: no weight
+    for (int64_t j = 0; j < L; j += 16) total = add(total, loadv(s + j));
+    V o[NC];
+    for (int c = 0; c < NC; ++c) o[c] = zero();
+    for (int64_t j = 0; j < L; ++j) {
+        const float* v = vc + idx[j] * D;
+        const V p = set1(s[j]);
+        for (int c = 0; c < NC; ++c) o[c] = fma(p, loadv(v + c * 16), o[c]);
+    }
+    const V inv = set1(1.0f / reduce(total));
+    for (int c = 0; c < NC; ++c) storev(out + c * 16, mul(o[c], inv));
+}
+
+template <int NC>
+void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, int64_t k_sh, int64_t k_st,
+                 const float* vn, int64_t v_sh, int64_t v_st, float* kc, float* vc, int64_t c_sh, const int64_t* rows,
+                 const int64_t* new_slot, int64_t n_rows, const int64_t* row_ptr, const int64_t* idx, float* out,
+                 int64_t o_st, int64_t Hq, int64_t Hkv, float scale, const float* cos, const float* sin,
+                 int threads) {
+    constexpr int64_t D = NC * 16;
+    int64_t longest = 0;
+    for (int64_t r = 0; r < n_rows; ++r) longest = std::max(longest, row_ptr[r + 1] - row_ptr[r]);
+    const int64_t group = Hq / Hkv;
+#pragma omp parallel num_threads(threads)
+    {
+        // The new keys and values into their slots first: rows of a tree see their ancestors'.
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < n_rows * Hkv; ++task) {
+            const int64_t r = task / Hkv, h = task % Hkv, t = rows[r];
+            float* kd = kc + h * c_sh + new_slot[r] * D;
+            float* vd = vc + h * c_sh + new_slot[r] * D;
+            if (cos != nullptr) {
+                rotate(kn + h * k_sh + t * k_st, cos + t * D, sin + t * D, D, kd);
+            } else {
+                for (int c = 0; c < NC; ++c) storev(kd + c * 16, loadv(kn + h * k_sh + t * k_st + c * 16));
+            }
+            for (int c = 0; c < NC; ++c) storev(vd + c * 16, loadv(vn + h * v_sh + t * v_st + c * 16));
+        }
+        std::vector<float> scratch(longest + 16);
+        // Consecutive heads of one row share their key/value head: they run on one thread.
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < n_rows * Hq; ++task) {
+            const int64_t r = task / Hq, h = task % Hq, t = rows[r], kvh = h / group;
+            const float* qr = q + h * q_sh + t * q_st;
+            float rotated[D];
+            if (cos != nullptr) {
+                rotate(qr, cos + t * D, sin + t * D, D, rotated);
+                qr = rotated;
+            }
+            attend_row<NC>(qr, kc + kvh * c_sh, vc + kvh * c_sh, idx + row_ptr[r], row_ptr[r + 1] - row_ptr[r], scale,
+                           out + t * o_st + h * D, scratch.data());
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// q (H, T, D) at strides (q_sh, q_st); new keys/values (Hkv, T, D) likewise; cos/sin (T, D) the
+// rotary tables at each row's position, applied here to q and the new keys (null: already done);
+// the layer's cache kc/vc (Hkv, S, D) with head stride c_sh; for each of `n_rows` rows (indices
+// into T): the slot its new key/value goes to and, as CSR (row_ptr, idx), the slots it attends
+// to; out (T, H, D) with row stride o_st. Returns 0, or -1 for a head size the kernel does not take.
+int specdecode_attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, int64_t k_sh, int64_t k_st,
+                           const float* vn, int64_t v_sh, int64_t v_st, float* kc, float* vc, int64_t c_sh,
+                           const int64_t* rows, const int64_t* new_slot, int64_t n_rows, const int64_t* row_ptr,
+                           const int64_t* idx, float* out, int64_t o_st, int64_t Hq, int64_t Hkv, int64_t D,
+                           float scale, const float* cos, const float* sin, int threads) {
+    if (Hkv <= 0 || Hq % Hkv != 0) return -1;
+    using Fn = decltype(&attend_rows<1>);
+    Fn fn = D == 16    ? attend_rows<1>
+            : D == 32  ? attend_rows<2>
+            : D == 64  ? attend_rows<4>
+            : D == 128 ? attend_rows<8>
+                       : nullptr;
+    if (fn == nullptr) return -1;
+    fn(q, q_sh, q_st, kn, k_sh, k_st, vn, v_sh, v_st, kc, vc, c_sh, rows, new_slot, n_rows, row_ptr, idx, out, o_st,
+       Hq, Hkv, scale, cos, sin, threads);
+    return 0;
+}
+
+// y (M, C) = x / sqrt(mean(x^2) + eps) * w, float32, one thread: a row's sum of squares runs in a
+// fixed order (16 lanes, then `reduce`), so a row's result does not depend on M.
+// (torch's rms_norm costs ~40 us a call inside a decoding forward, 60 calls a token.)
+void specdecode_rms_norm(const float* x, const float* w, float* y, int64_t M, int64_t C, float eps) {
+    for (int64_t m = 0; m < M; ++m) {
+        const float* xr = x + m * C;
+        float* yr = y + m * C;
+        V acc = zero();
+        int64_t c = 0;
+        for (; c + 16 <= C; c += 16) {
+            const V v = loadv(xr + c);
+            acc = fma(v, v, acc);
+        }
+        if (c < C) {  // the last lanes, zero-padded
+            float tail[16] = {};
+            std::copy(xr + c, xr + C, tail);
+            const V v = loadv(tail);
+            acc = fma(v, v, acc);
+        }
+        const float scale = 1.0f / std::sqrt(reduce(acc) / static_cast<float>(C) + eps);
+        const V s = set1(scale);
+        for (c = 0; c + 16 <= C; c += 16) storev(yr + c, mul(mul(loadv(xr + c), s), loadv(w + c)));
+        for (; c < C; ++c) yr[c] = xr[c] * scale * w[c];
+    }
+}
+
+}  // extern "C"
