@@ -12,8 +12,10 @@
 //   L1 or L2), then runs every row of x over them.
 //
 // Dequantized values are those of gguf-py's `dequantize` (each product of a scale and a quantized
-// integer below is exact in float32). Each output is a sum kept in 16 float lanes (lanes.h), lane
-// j taking k = j mod 16 in ascending k by fused multiply-add, then folded in a fixed order. Both ways,
+// integer below is exact in float32). Each output is two sums kept in 16 float lanes (lanes.h),
+// over the first and the second halves of the groups of 32 (two independent chains of fused
+// multiply-adds, so one row is not bound by their latency), lane j taking k = j mod 16 in
+// ascending k; the two are added and the lanes folded in a fixed order. Both ways,
 // every build with FMA (AVX-512, AVX2) and any batch give the same sums: a row's result is
 // bitwise the same alone or with other rows, and on AVX-512 or AVX2.
 //
@@ -104,6 +106,41 @@ inline __m256i fifth_bits(uint32_t bits) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, mask), mask), _mm256_set1_epi8(0x10));
 }
 
+#if defined(__AVX512F__)
+// 4-bit formats on AVX-512: a block's 16 possible weights are computed once (a table in one
+// register, by the same fused multiply-add as weight by weight), then each weight is a lookup by
+// its nibble (vpermps reads an index's low four bits): half the instructions of converting
+// every nibble to float and scaling it.
+inline __m512 iota() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+
+// 16 bytes -> lo: the tables' entries at their low nibbles, hi: at their high nibbles.
+inline void look_up(const uint8_t* q, __m512 table, V& lo, V& hi) {
+    const __m512i idx = _mm512_cvtepu8_epi32(load16(q));
+    lo = {_mm512_permutexvar_ps(idx, table)};
+    hi = {_mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table)};
+}
+
+struct Q4_0_ {
+    static constexpr int weights = 32, bytes = 18;
+    static void group(const uint8_t* b, int, V& lo, V& hi) {  // d, 16 bytes of nibble pairs
+        const __m512 table = _mm512_fmadd_ps(_mm512_sub_ps(iota(), _mm512_set1_ps(8.0f)), _mm512_set1_ps(half(b)),
+                                             _mm512_setzero_ps());
+        look_up(b + 2, table, lo, hi);
+    }
+};
+
+struct Q4_1_ {
+    static constexpr int weights = 32, bytes = 20;
+    static void group(const uint8_t* b, int, V& lo, V& hi) {  // d, m, nibbles
+        uint32_t dm;
+        std::memcpy(&dm, b, 4);
+        const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(int(dm)));  // d, m, 0, 0
+        const __m512 table =
+            _mm512_fmadd_ps(iota(), _mm512_broadcastss_ps(f), _mm512_broadcastss_ps(_mm_movehdup_ps(f)));
+        look_up(b + 4, table, lo, hi);
+    }
+};
+#else
 struct Q4_0_ {
     static constexpr int weights = 32, bytes = 18;
     static void group(const uint8_t* b, int, V& lo, V& hi) {  // d, 16 bytes of nibble pairs
@@ -123,6 +160,8 @@ struct Q4_1_ {
         hi = scaled(high_nibbles(q), d, m);
     }
 };
+
+#endif
 
 struct Q5_0_ {
     static constexpr int weights = 32, bytes = 22;
@@ -215,7 +254,16 @@ struct Q4_K_ {
         }
         const float scale = half(b) * float(sc), offset = half(b + 2) * float(mn);
         const uint8_t* q = b + 16 + (g / 2) * 32;
-#if defined(__AVX2__)
+#if defined(__AVX512F__)
+        const __m512 table = _mm512_fmadd_ps(iota(), _mm512_set1_ps(scale), _mm512_set1_ps(-offset));
+        __m512i a = _mm512_cvtepu8_epi32(load16(q)), c = _mm512_cvtepu8_epi32(load16(q + 16));
+        if (g & 1) {
+            a = _mm512_srli_epi32(a, 4);
+            c = _mm512_srli_epi32(c, 4);
+        }
+        lo = {_mm512_permutexvar_ps(a, table)};
+        hi = {_mm512_permutexvar_ps(c, table)};
+#elif defined(__AVX2__)
         const __m128i a = load16(q), c = load16(q + 16);
         lo = scaled((g & 1) ? high_nibbles(a) : low_nibbles(a), scale, -offset);
         hi = scaled((g & 1) ? high_nibbles(c) : low_nibbles(c), scale, -offset);
@@ -269,17 +317,20 @@ struct Q6_K_ {
 template <class F, int R>
 void direct(const float* x, int64_t K, const uint8_t* w, float* y, int64_t ldy) {
     constexpr int groups = F::weights / 32;
-    V acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = zero();
+    V lo_acc[R], hi_acc[R];
+    for (int r = 0; r < R; ++r) lo_acc[r] = hi_acc[r] = zero();
     for (int64_t b = 0; b < K / F::weights; ++b, w += F::bytes) {
         for (int i = 0; i < groups; ++i) {
             const int64_t k = (b * groups + i) * 32;
             V lo, hi;
             F::group(w, i, lo, hi);
-            for (int r = 0; r < R; ++r) acc[r] = fma(loadv(x + r * K + k + 16), hi, fma(loadv(x + r * K + k), lo, acc[r]));
+            for (int r = 0; r < R; ++r) {
+                lo_acc[r] = fma(loadv(x + r * K + k), lo, lo_acc[r]);
+                hi_acc[r] = fma(loadv(x + r * K + k + 16), hi, hi_acc[r]);
+            }
         }
     }
-    for (int r = 0; r < R; ++r) y[r * ldy] = reduce(acc[r]);
+    for (int r = 0; r < R; ++r) y[r * ldy] = reduce(add(lo_acc[r], hi_acc[r]));
 }
 
 // All M rows of x over one weight row: RMAX rows at a time, then the rest.
@@ -307,19 +358,28 @@ void decode_rows(const uint8_t* src, int64_t row_bytes, int n, int64_t K, float*
 
 template <int R, int Gn>
 void dots(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
-    V acc[R][Gn];
-    for (int r = 0; r < R; ++r)
-        for (int g = 0; g < Gn; ++g) acc[r][g] = zero();
-    for (int64_t k = 0; k < K; k += 16) {
-        V wv[Gn];
-        for (int g = 0; g < Gn; ++g) wv[g] = loadv(w + g * K + k);
-        for (int r = 0; r < R; ++r) {
-            const V xv = loadv(x + r * K + k);
-            for (int g = 0; g < Gn; ++g) acc[r][g] = fma(xv, wv[g], acc[r][g]);
+    V first[R][Gn];  // the sums over the first halves of the groups of 32, then the second halves
+    for (int h = 0; h < 2; ++h) {
+        V acc[R][Gn];
+        for (int r = 0; r < R; ++r)
+            for (int g = 0; g < Gn; ++g) acc[r][g] = zero();
+        for (int64_t k = 16 * h; k < K; k += 32) {
+            V wv[Gn];
+            for (int g = 0; g < Gn; ++g) wv[g] = loadv(w + g * K + k);
+            for (int r = 0; r < R; ++r) {
+                const V xv = loadv(x + r * K + k);
+                for (int g = 0; g < Gn; ++g) acc[r][g] = fma(xv, wv[g], acc[r][g]);
+            }
         }
+        for (int r = 0; r < R; ++r)
+            for (int g = 0; g < Gn; ++g) {
+                if (h == 0) {
+                    first[r][g] = acc[r][g];
+                } else {
+                    y[r * ldy + g] = reduce(add(first[r][g], acc[r][g]));
+                }
+            }
     }
-    for (int r = 0; r < R; ++r)
-        for (int g = 0; g < Gn; ++g) y[r * ldy + g] = reduce(acc[r][g]);
 }
 
 template <int Gn, int R = SR>
