@@ -18,7 +18,7 @@ import argparse
 import json
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,12 @@ class Run:
         self.tokens[category] += tokens
         self.seconds[category] += seconds
         self.texts.append(text)
+
+    def as_dict(self, categories: list[str]) -> dict[str, object]:
+        """The figures as JSON: tokens/s overall and per category, the counts and texts."""
+        rates = {c: round(self.rate(c), 2) for c in categories}
+        return {"name": self.name, "rate": round(self.rate(), 2), "rate_by_category": rates,
+                "tokens": dict(self.tokens), "seconds": dict(self.seconds), "texts": self.texts}  # fmt: skip
 
     def rate(self, category: str | None = None) -> float:
         cats = [category] if category else list(self.tokens)
@@ -153,7 +159,7 @@ def main_args(args: argparse.Namespace) -> None:
     path = gguf_path(args.model) if args.model in REGISTRY else Path(args.model)
     if path.suffix != ".gguf" or not path.is_file():
         raise SpecDecodeError(f"bench-peer compares on a GGUF file: {args.model} is not one")
-    llm = LLM(str(path), dtype=args.dtype, progress=False)
+    llm = LLM(args.model, dtype=args.dtype, progress=False)  # a short name finds its shipped heads
     questions = load_questions(args.questions, args.per_category, args.categories)
     prompts = [
         (q["category"], llm.chat_prompt([{"role": "user", "content": q["turns"][0]}])) for q in questions
@@ -169,9 +175,7 @@ def main_args(args: argparse.Namespace) -> None:
     )
     print(table(runs, categories))
     if args.json:
-        Path(args.json).write_text(
-            json.dumps([{**asdict(r), "rate": r.rate()} for r in runs], indent=2) + "\n"
-        )
+        Path(args.json).write_text(json.dumps([r.as_dict(categories) for r in runs], indent=2) + "\n")
     if args.plot:
         plot(runs, categories, args.plot)
         print(f"plot written to {args.plot}")
