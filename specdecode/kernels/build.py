@@ -3,6 +3,7 @@ source and set of compiler flags, compiled on first use into the cache directory
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
@@ -57,6 +58,17 @@ def shared_library(name: str, sources: tuple[Path, ...], flags: tuple[str, ...])
     except (OSError, RuntimeError):
         return None
     return out
+
+
+def load(name: str, sources: tuple[Path, ...], flags: tuple[str, ...]) -> ctypes.CDLL | None:
+    """`shared_library`, loaded; None where it cannot be built or loaded here."""
+    path = shared_library(name, sources, flags)
+    if path is None:
+        return None
+    try:  # torch is imported already, so the kernels' libgomp.so.1 is torch's: one thread pool
+        return ctypes.CDLL(str(path))
+    except OSError:
+        return None
 
 
 # ---- instruction sets --------------------------------------------------------------------------

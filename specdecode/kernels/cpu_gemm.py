@@ -39,12 +39,8 @@ def _library() -> ctypes.CDLL | None:
     instruction set below AVX-512 forced by SPECDECODE_CPU_ISA)."""
     if not build.is_x86() or "avx512f" not in build.cpu_flags() or build.forced_isa() not in (None, "avx512"):
         return None
-    lib_path = build.shared_library("cpu_gemm-native", (_SOURCE,), ("-march=native",))
-    if lib_path is None:
-        return None
-    try:  # torch is imported already, so the kernels' libgomp.so.1 is torch's: one thread pool
-        lib = ctypes.CDLL(str(lib_path))
-    except OSError:
+    lib = build.load("cpu_gemm-native", (_SOURCE,), ("-march=native",))
+    if lib is None:
         return None
     for fn in (lib.specdecode_tiled_mm, lib.specdecode_tiled_mm_bf16):
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]

@@ -38,12 +38,8 @@ def library(isa: str) -> ctypes.CDLL | None:
     cannot run it)."""
     if not build.isa_runs_here(isa):
         return None
-    path = build.shared_library(f"cpu-{isa}", _SOURCES, ("-ffp-contract=fast", *_BUILDS[isa]))
-    if path is None:
-        return None
-    try:  # torch is imported already, so the kernels' libgomp.so.1 is torch's: one thread pool
-        lib = ctypes.CDLL(str(path))
-    except OSError:
+    lib = build.load(f"cpu-{isa}", _SOURCES, ("-ffp-contract=fast", *_BUILDS[isa]))
+    if lib is None:
         return None
     p, i, f, n = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     lib.specdecode_qmm.argtypes = [n, p, i, i, p, i, p, i, n]
@@ -83,21 +79,11 @@ class RowOps:
         self._lib.specdecode_rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // c, c, eps)
         return y
 
-    def __call__(
-        self,
-        q: Tensor,  # (H, T, D) float32, any strides with unit last stride
-        k: Tensor,  # (H_kv, T, D) the new keys
-        v: Tensor,  # (H_kv, T, D) the new values
-        cache_k: Tensor,  # (H_kv, S, D) the layer's key slots
-        cache_v: Tensor,  # (H_kv, S, D)
-        rows: Tensor,  # (R,) long: which of the T rows to compute
-        new_slots: Tensor,  # (R,) long: the slot each row's key/value is stored at
-        row_ptr: Tensor,  # (R+1,) long: row r sees slots idx[row_ptr[r]:row_ptr[r+1]]
-        idx: Tensor,  # (nnz,) long
-        out: Tensor,  # (T, H, D) float32 contiguous: rows `rows` are written
-        cos: Tensor | None = None,  # (T, D) contiguous: rotary tables at each row's position
-        sin: Tensor | None = None,  # (T, D)
-    ) -> None:
+    def __call__(  # shapes: `base.AttendRows`; q, k, v may have any strides with a unit last one
+        self, q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Tensor, rows: Tensor,
+        new_slots: Tensor, row_ptr: Tensor, idx: Tensor, out: Tensor, cos: Tensor | None = None,
+        sin: Tensor | None = None,
+    ) -> None:  # fmt: skip
         """Store the rows' new keys/values in the cache, then softmax(q k^T / sqrt(D)) v over each
         row's slots into `out`. With `cos`/`sin`, q and the new keys are rotated first (bitwise as
         `attention.apply_rotary` does). D must be one of HEAD_DIMS."""
