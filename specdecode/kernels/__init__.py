@@ -8,11 +8,12 @@ dtype or a library again. Two exist today:
 
 - `REFERENCE` / `EXACT`: PyTorch's own ops, on any device and dtype (what the CPU kernels fall
   back to and are tested against), with and without an approximate bfloat16 product;
-- the CPU kernels (`cpu.py`, over the ctypes library in `cpu_gemm.py`): few-row float32 and
-  bfloat16 matmuls on 32-column tiles, a fused RMS norm and row attention, where the CPU and a
-  compiler allow.
+- the CPU kernels (`cpu.py`, over the ctypes libraries of `cpu_gemm.py` and `cpu_isa.py`):
+  few-row float32 and bfloat16 matmuls on 32-column tiles (AVX-512), and, built per instruction
+  set, a fused RMS norm, row attention and products of weights kept in GGUF block formats, where
+  the CPU and a compiler allow.
 
-Quantized weight formats and a CUDA step plug in here as further `LinearKernel`s and `Kernels`.
+A CUDA step plugs in here as a further `Kernels`.
 Nothing outside this package calls a compiled library.
 """
 

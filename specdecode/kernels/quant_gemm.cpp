@@ -340,7 +340,7 @@ void direct_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, float* 
     if constexpr (R > 1) direct_rows<F, R - 1>(x, M, K, w, y, ldy);
 }
 
-// Many rows: the Gn weight rows are decoded once into w (Gn, K), float32.
+// Many rows: n weight rows (row_bytes apart) are decoded once into w (n, K), float32.
 template <class F>
 void decode_rows(const uint8_t* src, int64_t row_bytes, int n, int64_t K, float* w) {
     constexpr int groups = F::weights / 32;
