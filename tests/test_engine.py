@@ -11,15 +11,18 @@ import torch
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.attention import AttentionPlan, Segment, causal_mask, tree_mask
+from specdecode.drafters.base import Drafter
 from specdecode.drafters.medusa import save_heads
 from specdecode.engine.block_pool import BlockPool
 from specdecode.engine.config import EngineConfig
 from specdecode.engine.llm_engine import EngineRequest, LLMEngine, RequestDelta
 from specdecode.engine.paged_cache import PagedCache, PagedKVStorage
 from specdecode.engine.policy import Candidate, LatencyCurve, SpeculationPolicy, accept_rates
+from specdecode.request import Proposal, Request
 from specdecode.spec_config import parse_speculative
 from specdecode.tree import DraftTree
 from tests.test_draft_model import tiny_transformer
+from tests.test_eagle import run_prefix
 from tests.test_medusa import random_heads
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -304,6 +307,47 @@ def test_prefix_reuse_skips_compute(setup) -> None:
     assert sum(rows) == len(second) - 1 - 48 + 6  # the reused blocks were not recomputed
 
 
+class RecordingDrafter(Drafter):
+    """Drafts nothing; keeps the prompt rows the engine hands to `begin`."""
+
+    def __init__(self) -> None:
+        self.prompt_hidden: torch.Tensor | None = None
+
+    def begin(self, req: Request, prompt_hidden: torch.Tensor) -> None:
+        self.prompt_hidden = prompt_hidden.clone()
+
+    def propose(self, req: Request) -> Proposal:
+        return Proposal(DraftTree.empty())
+
+
+def test_drafters_get_every_prompt_row_however_the_prompt_was_cached(setup) -> None:
+    """`Drafter.begin`'s contract: the rows of positions 0 .. P-2, whether the prompt was prefilled
+    in chunks, wholly served from reused blocks (all but the root) or partly (a shared prefix)."""
+    llm, _ = setup
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    first = [(7 * i) % 80 + 3 for i in range(21)]  # 20 rows before the root: 5 full blocks
+    partial = [*first[:13], 9, 8, 7]  # 12 rows (3 blocks) shared
+    engine = llm.new_engine(EngineConfig(block_size=4, max_batch_tokens=8, policy=False))
+
+    def begun(prompt: list[int]) -> tuple[torch.Tensor, int]:
+        drafter = RecordingDrafter()
+        seq = engine.add_request(EngineRequest(str(len(engine.sequences)), prompt, params, None), drafter)
+        while engine.has_unfinished():
+            engine.step()
+        assert drafter.prompt_hidden is not None
+        return drafter.prompt_hidden, seq.num_cached_prompt_tokens
+
+    chunked, cached = begun(first)  # 20 rows in chunks of 8
+    assert cached == 0
+    torch.testing.assert_close(chunked, run_prefix(llm.model, first), rtol=1e-4, atol=1e-4)
+    whole_hit, cached = begun(first)
+    assert cached == 20 and torch.equal(whole_hit, chunked)  # nothing computed but the root
+    part_hit, cached = begun(partial)
+    assert cached == 12 and part_hit.shape == (len(partial) - 1, chunked.shape[1])
+    assert torch.equal(part_hit[:12], chunked[:12])
+    torch.testing.assert_close(part_hit, run_prefix(llm.model, partial), rtol=1e-4, atol=1e-4)
+
+
 def test_sampled_requests_keep_their_own_stream(setup) -> None:
     llm, methods = setup
     ps = prompts(6, seed=3)
@@ -402,7 +446,7 @@ def test_default_draft_model_shares_the_memory_budget(setup) -> None:
     spec = parse_speculative({"method": "draft_model", "draft_model": llm.model_name})
     draft = llm.drafters.draft_model(llm.model_name)
     target_block = PagedKVStorage.block_bytes(llm.model.config, 4, llm.model.dtype)
-    draft_block = PagedKVStorage.block_bytes(draft.config, 4, draft.dtype)
+    draft_block = PagedKVStorage.block_bytes(draft.config, 4, draft.dtype, hidden=False)
     memory = 50 * target_block
     engine = llm.new_engine(
         EngineConfig(block_size=4, kv_cache_memory=memory, speculative=spec, policy=False)

@@ -7,16 +7,11 @@ model's cache, an n-gram pool, a feature history).
 
 The prefill contract (one code path in the engine delivers it, however the prompt was cached):
 the engine calls `begin` once, when the cache holds the whole prompt but its last token (the
-first root), with the target's hidden states of the prompt rows it computed itself. The rows
-served from reused KV blocks of the prefix cache were not computed, so they are not there:
-
-- prefilled whole or in chunks: `start` = 0 and `prompt_hidden` is (P-1, C), every chunk's rows
-  in order;
-- the first `s` prompt tokens came from reused blocks: `start` = s and `prompt_hidden` is
-  (P-1-s, C), the rows of positions s .. P-2 (empty when only the root was left to compute).
-
-Row i of `prompt_hidden` is the target's output at prompt position `start + i`, so it predicts
-prompt token `start + i + 1`.
+first root), with `prompt_hidden` (P-1, C): the target's hidden states of prompt positions
+0 .. P-2. It is the same whether the prompt was prefilled whole, in chunks, or partly or wholly
+served from reused KV blocks of the prefix cache (the cache keeps each slot's hidden state beside
+its keys and values). Row i is the target's output at prompt position i, so it predicts prompt
+token i + 1; a one-token prompt gives (0, C).
 """
 
 from __future__ import annotations
@@ -39,9 +34,9 @@ class Drafter(ABC):
     # deliberately lossy opt-in does so (Medusa's typical acceptance); greedy is always exact.
     sampling_verifier: SamplingVerifier | None = None
 
-    def begin(self, req: Request, prompt_hidden: torch.Tensor, start: int = 0) -> None:  # noqa: B027
-        """Called once after prefill; `prompt_hidden` (P-1-start, C) holds the target's rows of
-        prompt positions `start` .. P-2 (see the module's prefill contract)."""
+    def begin(self, req: Request, prompt_hidden: torch.Tensor) -> None:  # noqa: B027
+        """Called once after prefill; `prompt_hidden` (P-1, C) holds the target's rows of prompt
+        positions 0 .. P-2 (see the module's prefill contract)."""
 
     @abstractmethod
     def propose(self, req: Request) -> Proposal:
@@ -61,9 +56,9 @@ class LastRowDrafter(Drafter):
 
     hidden: torch.Tensor | None = None  # (C,)
 
-    def begin(self, req: Request, prompt_hidden: torch.Tensor, start: int = 0) -> None:
+    def begin(self, req: Request, prompt_hidden: torch.Tensor) -> None:
         """Keep the last prompt row: its target output is the prompt's last token, the first root
-        (none when the prefix cache served every row before the root)."""
+        (none for a one-token prompt)."""
         self.hidden = prompt_hidden[-1].clone() if prompt_hidden.shape[0] > 0 else None
 
     def observe(self, req: Request, result: StepResult) -> None:

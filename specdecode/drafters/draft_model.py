@@ -95,7 +95,7 @@ class DraftModelDrafter(Drafter):
     # ---- Drafter interface ---------------------------------------------------------------------
 
     @torch.inference_mode()
-    def begin(self, req: Request, prompt_hidden: torch.Tensor, start: int = 0) -> None:
+    def begin(self, req: Request, prompt_hidden: torch.Tensor) -> None:
         """Make the draft's cache (as large as the request's) and prefill the prompt without its
         last token, the first root. `prompt_hidden` (the target's) is not used."""
         self.release()

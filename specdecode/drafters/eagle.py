@@ -503,15 +503,13 @@ class EagleDrafter(Drafter):
             out = self.head.run(self.cache, self.embed(ids[s:e]), features[s:e], positions)  # (T, C)
             self.last = out[-1]
 
-    def begin(self, req: Request, prompt_hidden: Tensor, start: int = 0) -> None:
-        """Pairs (x_{t+1}, f_t) of the prompt rows the target computed: `prompt_hidden` (P-1-start,
-        C) holds positions `start` .. P-2. Rows served from the prefix cache are missing; the
-        head's rotary positions are relative, so the pairs it has keep their meaning."""
+    def begin(self, req: Request, prompt_hidden: Tensor) -> None:
+        """Pairs (x_{t+1}, f_t) of the prompt: `prompt_hidden` (P-1, C) holds positions 0 .. P-2."""
         size = req.max_len + self.tree_slots
         self.cache = self.head.new_cache(size, self.target.dtype, self.target.device)
         self.last = None
         if prompt_hidden.shape[0] > 0:
-            self._commit(req.prompt_ids[start + 1 : start + 1 + prompt_hidden.shape[0]], prompt_hidden)
+            self._commit(req.prompt_ids[1:], prompt_hidden)
 
     def observe(self, req: Request, result: StepResult) -> None:
         """Append (a_1, f_n), ..., (a_m, f_{n+m-1}), (bonus, f_{n+m}): the target's features of

@@ -184,7 +184,7 @@ class LookaheadDrafter(Drafter):
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
-    def begin(self, req: Request, prompt_hidden: torch.Tensor, start: int = 0) -> None:
+    def begin(self, req: Request, prompt_hidden: torch.Tensor) -> None:
         """Fill the window with random prompt tokens: any guess works, Jacobi iterations fix it,
         and tokens of the prompt are likelier than arbitrary vocabulary ids to recur."""
         if self.plain:

@@ -40,9 +40,9 @@ class LookupBranch(Drafter):
         self.sampling_verifier = inner.sampling_verifier
         self.grafted = 0  # steps whose tree got lookup nodes (the tests check the branch ran)
 
-    def begin(self, req: Request, prompt_hidden: torch.Tensor, start: int = 0) -> None:
-        self.lookup.begin(req, prompt_hidden, start)
-        self.inner.begin(req, prompt_hidden, start)
+    def begin(self, req: Request, prompt_hidden: torch.Tensor) -> None:
+        self.lookup.begin(req, prompt_hidden)
+        self.inner.begin(req, prompt_hidden)
 
     def propose(self, req: Request) -> Proposal:
         proposal = self.inner.propose(req)

@@ -64,7 +64,7 @@ class PromptLookupDrafter(Drafter):
 
     # ---- Drafter interface ---------------------------------------------------------------------
 
-    def begin(self, req: Request, prompt_hidden: torch.Tensor, start: int = 0) -> None:
+    def begin(self, req: Request, prompt_hidden: torch.Tensor) -> None:
         """Reset the index (it is rebuilt from `req.all_ids` on the first propose) and start the
         fallback, which must prefill its own cache now whether or not it ever drafts."""
         self._last_end.clear()

@@ -16,7 +16,8 @@ load policy grants) -> one target forward over every request's rows (decode root
 tokens and prefill chunks, as segments of one row) -> verify each request with the same
 `StepPlan.finish` -> commit (append, stats, drafter observe, prefix-cache registration, timing,
 finished requests free their blocks). Drafters hear of a cached prompt through one path
-(`_begin`), with the rows the prefill computed, as the contract in `drafters.base` says.
+(`_begin`), with every prompt row read from the cache's slots (which keep each position's hidden
+state beside its keys and values, so reused blocks bring theirs), as `drafters.base` says.
 
 Greedy requests emit exactly the tokens they emit alone: each request's rows attend only to its
 own cache (the attention plan's segments), and greedy tokens are the model's exact argmax.
@@ -72,9 +73,9 @@ class EngineRequest:
     params: SamplingParams
     speculative: SpecConfig | None
     arrival_time: float | None = None
-    # Keep the target's hidden state (after the final norm) of every decided position: the
-    # request's `hidden_states` (L-1, C) when it finishes, for training data. Such a request
-    # computes its whole prompt (no prefix-cache reuse), so every row is there.
+    # Return the target's hidden state (after the final norm) of every decided position: the
+    # request's `hidden_states` (L-1, C) when it finishes, for training data (read from the
+    # cache's slots, which keep them for reused prompt blocks too).
     return_hidden: bool = False
 
 
@@ -206,7 +207,7 @@ class LLMEngine:
         spec = cfg.speculative
         if isinstance(spec, DraftModelConfig | PromptLookupConfig) and spec.draft_model is not None:
             draft = self.drafters.draft_model(spec.draft_model, spec.draft_dtype)
-            per_block += PagedKVStorage.block_bytes(draft.config, cfg.block_size, draft.dtype)
+            per_block += PagedKVStorage.block_bytes(draft.config, cfg.block_size, draft.dtype, hidden=False)
         if cfg.kv_cache_memory is not None:
             num = cfg.kv_cache_memory // per_block
             if num < 1:
@@ -265,7 +266,12 @@ class LLMEngine:
         storage = self.draft_storages.get(draft)
         if storage is None:
             storage = PagedKVStorage(
-                draft.config, self.pool.num_blocks, self.config.block_size, draft.dtype, draft.device
+                draft.config,
+                self.pool.num_blocks,
+                self.config.block_size,
+                draft.dtype,
+                draft.device,
+                hidden=False,
             )
             self.draft_storages[draft] = storage
         return PagedCache(storage, min(max_len, draft.config.max_position_embeddings))
@@ -398,6 +404,10 @@ class LLMEngine:
         plan = AttentionPlan(segments)
         hidden = self.model.forward_plan(torch.cat(ids)[None], torch.cat(positions)[None], plan)[0]
         plan.commit()  # the runner, not the forward, moves the caches past the new rows
+        at = 0
+        for seq, seg in [(s, g) for s, _, g in plans] + chunks:  # each row's hidden beside its KV
+            seq.cache.write_hidden(seg.start, hidden[at : at + seg.length])
+            at += seg.length
         return hidden
 
     def _commit(
@@ -430,8 +440,6 @@ class LLMEngine:
             emitted, result = plan.finish(self.model, req, seg.start, rows, screened.get(i), verifier)
             tokens = req.commit(emitted, result, step_logprobs(self.model, req, rows, emitted, result))
             finished = req.finish_reason is not None
-            if seq.return_hidden:  # the root's row, then the accepted path's
-                seq.keep_hidden(rows[:1] if result is None else rows[result.verdict.kept_indices])
             if result is not None:
                 accepted = min(result.verdict.num_draft_accepted, len(tokens))
                 self.stats.record_draft(seq.method, result, accepted)
@@ -443,8 +451,8 @@ class LLMEngine:
             if first:
                 self.stats.time_to_first_token.observe(req.timing.first_token_s)
             if finished:
-                if seq.return_hidden:
-                    req.hidden_states = seq.kept_hidden(len(req.all_ids) - 1)
+                if seq.return_hidden:  # the compacted cache holds the decided positions' rows
+                    req.hidden_states = seq.cache.hidden(len(req.all_ids) - 1)
                 if req.timing.num_tokens > 1:
                     span = req.timing.total_s - req.timing.first_token_s
                     self.stats.time_per_output_token.observe(span / (req.timing.num_tokens - 1))
@@ -464,33 +472,21 @@ class LLMEngine:
                     dataclasses.replace(req.timing),
                 )
             )
-        for seq, seg in chunks:
+        for seq, _ in chunks:
             if self.config.prefix_caching:
                 seq.cache.register_full_blocks(seq.req.all_ids)
-            if not seq.started and seq.drafter is not None:
-                seq.prompt_rows.append((seg.start, hidden[at : at + seg.length]))
-            if seq.return_hidden:
-                seq.keep_hidden(hidden[at : at + seg.length])
             if not seq.prefilling and not seq.started:
                 self._begin(seq)
-            at += seg.length
         return deltas
 
     def _begin(self, seq: Sequence) -> None:
         """The one place a drafter hears that its prompt is cached (`Drafter.begin`'s contract):
-        with the rows this admission's prefill computed, from the first position it computed."""
+        with the hidden rows of every prompt position but the root, read from the cache's slots,
+        whether this admission computed them or reused their blocks."""
         req = seq.req
-        seq.req.timing.prefill_s = time.perf_counter() - seq.arrival_time
+        req.timing.prefill_s = time.perf_counter() - seq.arrival_time
         if seq.drafter is not None:
-            rows = [r for _, r in seq.prompt_rows]
-            start = seq.prompt_rows[0][0] if rows else len(req.prompt_ids) - 1
-            empty = torch.empty(0, self.model.config.hidden_size, dtype=self.model.dtype, device=self.device)
-            prompt_hidden = torch.cat(rows) if rows else empty  # (P-1-start, C)
-            assert start + prompt_hidden.shape[0] == len(req.prompt_ids) - 1, (
-                "prefill rows are not contiguous"
-            )
-            seq.drafter.begin(req, prompt_hidden, start)
-        seq.prompt_rows = []
+            seq.drafter.begin(req, seq.cache.hidden(len(req.prompt_ids) - 1))  # (P-1, C)
         seq.started = True
 
     def _finish(self, seq: Sequence) -> None:

@@ -7,6 +7,12 @@ block table over it, with the same interface as the static `KVCache` (`length`, 
 `write`, `rollback`, `truncate`, `compact`), so `AttentionPlan` and the engine's `StepPlan` use
 either unchanged.
 
+The target's storage also keeps each slot's hidden state (the model's output row, (S_all, C)),
+moved with the keys and values: a request served from reused blocks finds the rows of its cached
+prompt there, which feature-reading drafters (EAGLE, Medusa, ReDrafter) and training's
+`return_hidden` need. It costs C values a token beside 2 * L * H_kv * D of keys and values
+(SmolLM2: 5%).
+
 Attention reads a sequence's prefix by gathering its slots, one `index_select` per layer: simple,
 and on a CPU cheap next to the weights a forward reads (SmolLM2: 23 KB per token per layer pair,
 against 540 MB of weights).
@@ -31,20 +37,26 @@ class PagedKVStorage:
         block_size: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        hidden: bool = True,
     ) -> None:
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
-        shape = (config.num_layers, config.num_kv_heads, num_blocks * block_size, config.head_dim)
+        slots = num_blocks * block_size
+        shape = (config.num_layers, config.num_kv_heads, slots, config.head_dim)
         # Not zeroed: attention only reads slots a forward wrote first. On a CPU a large empty
         # tensor is mapped lazily, so memory is taken as blocks are used, not all at start.
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
+        # (S_all, C) each slot's hidden state; None for a draft model's storage (nobody reads it)
+        self.h = torch.empty(slots, config.hidden_size, dtype=dtype, device=device) if hidden else None
 
     @staticmethod
-    def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block takes: keys and values of `block_size` tokens in every layer."""
+    def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, hidden: bool = True) -> int:
+        """Bytes one block takes: keys and values of `block_size` tokens in every layer, and their
+        hidden states when kept."""
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        return 2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * itemsize
+        kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+        return (kv + (config.hidden_size if hidden else 0)) * block_size * itemsize
 
     @property
     def device(self) -> torch.device:
@@ -152,6 +164,16 @@ class PagedCache:
         values[:, slots[start:]] = v[0]
         return keys.index_select(1, slots)[None], values.index_select(1, slots)[None]
 
+    def write_hidden(self, start: int, rows: torch.Tensor) -> None:
+        """Store the hidden states (T, C) of positions `start .. start+T-1` (reserved slots)."""
+        assert self.storage.h is not None, "this storage keeps no hidden states"
+        self.storage.h[self._slots[start : start + rows.shape[0]]] = rows
+
+    def hidden(self, end: int) -> torch.Tensor:
+        """(end, C): the hidden states of positions 0 .. end-1, as written (a copy)."""
+        assert self.storage.h is not None, "this storage keeps no hidden states"
+        return self.storage.h[self._slots[:end]]
+
     def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's keys and values of every block as (H_kv, S_all, D) slots."""
         return self.storage.k[layer], self.storage.v[layer]
@@ -181,6 +203,8 @@ class PagedCache:
             dst = self._slots[start : start + m]  # (M,)
             for store in (self.storage.k, self.storage.v):
                 store[:, :, dst] = store[:, :, src]
+            if self.storage.h is not None:
+                self.storage.h[dst] = self.storage.h[src]
         self.length = start + m
         self._free_tail()
 
@@ -207,6 +231,8 @@ class PagedCache:
         dst = slice(new * bs, (new + 1) * bs)
         self.storage.k[:, :, dst] = self.storage.k[:, :, src]
         self.storage.v[:, :, dst] = self.storage.v[:, :, src]
+        if self.storage.h is not None:
+            self.storage.h[dst] = self.storage.h[src]
         self.pool.free(old)
         self.blocks[i] = new
 

@@ -20,8 +20,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from specdecode.drafters.base import Drafter
 from specdecode.engine.block_pool import BlockPool
 from specdecode.engine.paged_cache import PagedCache
@@ -42,11 +40,7 @@ class Sequence:
     started: bool = False  # the drafter has been told the prompt is cached (`begin`)
     draft_cost: float = 0.0  # running average of drafting seconds per draft token
     idle_steps: int = 0  # decoding steps since the policy last let it draft
-    # (start position, (T, C) rows) of each prefill chunk this admission computed, kept for the
-    # drafter's `begin` until the prompt is cached
-    prompt_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    return_hidden: bool = False  # keep every decided position's hidden state (`EngineRequest`)
-    hidden_rows: list[torch.Tensor] = field(default_factory=list)  # (T_i, C) each, in position order
+    return_hidden: bool = False  # return every decided position's hidden state (`EngineRequest`)
 
     @property
     def cache(self) -> PagedCache:
@@ -61,15 +55,6 @@ class Sequence:
     def max_step(self) -> int:
         """Rows of its widest decoding step: the root and the most draft tokens."""
         return 1 + (self.drafter.max_nodes if self.drafter is not None else 0)
-
-    def keep_hidden(self, rows: torch.Tensor) -> None:
-        """Keep the rows (T, C) of the next positions in order (prefill chunks, then each step's
-        root and accepted path)."""
-        self.hidden_rows.append(rows)
-
-    def kept_hidden(self, length: int) -> torch.Tensor:
-        """The first `length` kept rows, (length, C)."""
-        return torch.cat(self.hidden_rows)[:length]
 
     def record_tokens(self, now: float) -> None:
         """Time the request's output so far (`Request.timing`), from its arrival."""
@@ -86,8 +71,6 @@ class Sequence:
     def release(self) -> None:
         """Free the target's blocks and whatever the drafter holds (a draft model's blocks)."""
         self.cache.release()
-        self.prompt_rows = []
-        self.hidden_rows = []  # a preempted request computes its rows again
         if self.drafter is not None:
             self.drafter.release()
 
@@ -140,8 +123,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             ids = seq.req.all_ids[: seq.target_len]
-            reuse = self.prefix_caching and not seq.return_hidden
-            blocks, last_hash = self.pool.match_prefix(ids) if reuse else ([], 0)
+            blocks, last_hash = self.pool.match_prefix(ids) if self.prefix_caching else ([], 0)
             # Its widest step, but never past its own room (a step near the end of the context
             # is cut to what the cache holds), which `add_request` checked the pool can hold.
             total = -(-min(seq.target_len + seq.max_step, seq.req.max_len) // bs)
