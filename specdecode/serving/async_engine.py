@@ -136,6 +136,10 @@ class AsyncEngine:
         with self._wake:
             return self._stats
 
+    async def replica_stats(self) -> dict[str, EngineStats]:
+        """The counters as the server's `/metrics` takes them: one engine, no replica name."""
+        return {"": self.stats}
+
     # ---- callers' side -------------------------------------------------------------------------
 
     async def generate(self, req: EngineRequest) -> RequestStream:

@@ -6,9 +6,14 @@ go up and down. Speculation figures carry a `method` label, and per-position acc
 
     specdecode_draft_tokens_accepted_total{method="prompt_lookup"} 412
     specdecode_draft_accepted_by_position_total{method="prompt_lookup",position="1"} 180
+
+Several engines (Ray Serve replicas) are rendered together, each sample labelled by its
+`replica`; a lone engine's samples carry no replica label.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Mapping
 
 from specdecode.engine.llm_engine import EngineStats, Histogram
 
@@ -39,91 +44,98 @@ def _by_position(counts: dict[str, list[int]]) -> list[Sample]:
     ]
 
 
-def _histogram(name: str, help_text: str, h: Histogram) -> list[str]:
+def _histogram(name: str, help_text: str, by_replica: list[tuple[dict[str, str], Histogram]]) -> list[str]:
     lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-    for bound, n in zip(h.bounds, h.counts, strict=True):
-        lines.append(f'{name}_bucket{{le="{bound:g}"}} {n}')
-    lines += [f'{name}_bucket{{le="+Inf"}} {h.count}', f"{name}_sum {h.total:g}", f"{name}_count {h.count}"]
+
+    def sample(suffix: str, labels: dict[str, str], value: float) -> str:
+        text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+        return f"{name}{suffix}{{{text}}} {value:g}" if text else f"{name}{suffix} {value:g}"
+
+    for labels, h in by_replica:
+        for bound, n in zip(h.bounds, h.counts, strict=True):
+            lines.append(sample("_bucket", {**labels, "le": f"{bound:g}"}, n))
+        lines += [
+            sample("_bucket", {**labels, "le": "+Inf"}, h.count),
+            sample("_sum", labels, h.total),
+            sample("_count", labels, h.count),
+        ]
     return lines
 
 
-def render(stats: EngineStats) -> str:
-    """Every metric of `stats`, one family after another."""
-    families = [
-        ("requests_total", "counter", "Requests accepted by the engine.", stats.num_requests),
-        (
-            "requests_finished_total",
-            "counter",
-            "Requests that finished (stop or length).",
-            stats.num_finished,
-        ),
-        (
-            "requests_aborted_total",
-            "counter",
-            "Requests aborted (client gone, stop string).",
-            stats.num_aborted,
-        ),
+def render(stats: EngineStats | Mapping[str, EngineStats]) -> str:
+    """Every metric of `stats`, one family after another: one engine's, or several engines' by
+    replica name (a sample of replica "" has no replica label)."""
+    engines = {"": stats} if isinstance(stats, EngineStats) else dict(sorted(stats.items()))
+    replicas = [({"replica": name} if name else {}, s) for name, s in engines.items()]
+
+    def each(samples_of: Callable[[EngineStats], list[Sample]]) -> list[Sample]:
+        return [({**labels, **own}, v) for labels, s in replicas for own, v in samples_of(s)]
+
+    families = [  # (name, kind, help, EngineStats field)
+        ("requests_total", "counter", "Requests accepted by the engine.", "num_requests"),
+        ("requests_finished_total", "counter", "Requests that finished (stop or length).", "num_finished"),
+        ("requests_aborted_total", "counter", "Requests aborted (client gone, stop string).", "num_aborted"),
         (
             "preemptions_total",
             "counter",
             "Running requests preempted for lack of KV blocks.",
-            stats.num_preemptions,
+            "num_preemptions",
         ),
-        ("prompt_tokens_total", "counter", "Prompt tokens of accepted requests.", stats.num_prompt_tokens),
-        ("generation_tokens_total", "counter", "Tokens generated.", stats.num_generated_tokens),
-        ("num_requests_waiting", "gauge", "Requests queued for admission.", stats.num_waiting),
-        ("num_requests_running", "gauge", "Requests in the running batch.", stats.num_running),
-        ("kv_blocks_total", "gauge", "KV cache blocks of the target model.", stats.kv_blocks_total),
-        ("kv_blocks_used", "gauge", "KV cache blocks held by requests.", stats.kv_blocks_used),
-        ("draft_kv_blocks_total", "gauge", "KV cache blocks of draft models.", stats.draft_kv_blocks_total),
+        ("prompt_tokens_total", "counter", "Prompt tokens of accepted requests.", "num_prompt_tokens"),
+        ("generation_tokens_total", "counter", "Tokens generated.", "num_generated_tokens"),
+        ("num_requests_waiting", "gauge", "Requests queued for admission.", "num_waiting"),
+        ("num_requests_running", "gauge", "Requests in the running batch.", "num_running"),
+        ("kv_blocks_total", "gauge", "KV cache blocks of the target model.", "kv_blocks_total"),
+        ("kv_blocks_used", "gauge", "KV cache blocks held by requests.", "kv_blocks_used"),
+        ("draft_kv_blocks_total", "gauge", "KV cache blocks of draft models.", "draft_kv_blocks_total"),
         (
             "draft_kv_blocks_used",
             "gauge",
             "Draft models' KV blocks held by requests.",
-            stats.draft_kv_blocks_used,
+            "draft_kv_blocks_used",
         ),
         (
             "kv_blocks_reused_total",
             "counter",
             "KV blocks found by prefix and reused instead of computed.",
-            stats.kv_blocks_reused,
+            "kv_blocks_reused",
         ),
     ]
     lines: list[str] = []
-    for name, kind, help_text, value in families:
-        lines += _family(f"specdecode_{name}", kind, help_text, [({}, value)])
+    for name, kind, help_text, attr in families:
+        lines += _family(f"specdecode_{name}", kind, help_text, each(lambda s, a=attr: [({}, getattr(s, a))]))
     lines += _family(
         "specdecode_draft_tokens_proposed_total",
         "counter",
         "Draft tokens verified, per method.",
-        _by_method(stats.drafts_proposed),
+        each(lambda s: _by_method(s.drafts_proposed)),
     )
     lines += _family(
         "specdecode_draft_tokens_accepted_total",
         "counter",
         "Draft tokens accepted, per method.",
-        _by_method(stats.drafts_accepted),
+        each(lambda s: _by_method(s.drafts_accepted)),
     )
     lines += _family(
         "specdecode_draft_proposed_by_position_total",
         "counter",
         "Steps that offered a draft token at this depth, per method.",
-        _by_position(stats.proposed_by_position),
+        each(lambda s: _by_position(s.proposed_by_position)),
     )
     lines += _family(
         "specdecode_draft_accepted_by_position_total",
         "counter",
         "Steps that accepted a draft token at this depth, per method.",
-        _by_position(stats.accepted_by_position),
+        each(lambda s: _by_position(s.accepted_by_position)),
     )
     lines += _histogram(
         "specdecode_time_to_first_token_seconds",
         "Seconds from a request's arrival to its first token.",
-        stats.time_to_first_token,
+        [(labels, s.time_to_first_token) for labels, s in replicas],
     )
     lines += _histogram(
         "specdecode_time_per_output_token_seconds",
         "Seconds per output token after the first, per finished request.",
-        stats.time_per_output_token,
+        [(labels, s.time_per_output_token) for labels, s in replicas],
     )
     return "\n".join(lines) + "\n"

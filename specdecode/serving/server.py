@@ -3,6 +3,11 @@
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (server-sent events when
 `stream` is true), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text).
 
+The application is written against `EngineClient`: `AsyncEngine` (one engine on a thread of this
+process) or `distributed.serve.ReplicaClient` (engine replicas on Ray Serve, `--replicas`); and
+needs of the model only its `Frontend` (tokenizer, context, vocabulary), so a Ray ingress does not
+load weights.
+
 Each choice of a request (`n` per prompt) is one engine request. Its tokens are detokenized
 incrementally by `TextStream`, which also ends the text before a `stop` string; a choice that
 meets its stop string, and every choice of a client that disconnects, is aborted in the engine
@@ -25,8 +30,8 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Any, Literal, NamedTuple, TypeVar
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Annotated, Any, Literal, NamedTuple, Protocol, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -35,12 +40,14 @@ from starlette.exceptions import HTTPException
 
 from specdecode.engine.config import EngineConfig
 from specdecode.engine.detokenizer import TextStream
-from specdecode.engine.llm_engine import EngineRequest, RequestDelta
+from specdecode.engine.llm_engine import EngineRequest, EngineStats, RequestDelta
 from specdecode.errors import SpecDecodeError
 from specdecode.llm import LLM
+from specdecode.models.config import ModelConfig
+from specdecode.models.loader import resolve_model
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs
-from specdecode.serving.async_engine import AsyncEngine, EngineStopped, RequestStream
+from specdecode.serving.async_engine import AsyncEngine, EngineStopped
 from specdecode.serving.metrics import render
 from specdecode.spec_config import SpecConfig, parse_speculative
 
@@ -60,6 +67,61 @@ UNSUPPORTED: dict[str, Any] = {
 }
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit (chat allows MAX_LOGPROBS)
 LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity: a token of probability 0 reports this, as vLLM
+
+# ---- what the application needs of a model and an engine ---------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Frontend:
+    """What the HTTP layer needs of a model: its name, tokenizer, context and vocabulary size."""
+
+    name: str
+    tokenizer: Tokenizer
+    context: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, llm: LLM) -> Frontend:
+        config = llm.model.config
+        return cls(llm.model_name, llm.tokenizer, config.max_position_embeddings, config.vocab_size)
+
+    @classmethod
+    def load(cls, model: str, progress: bool = False) -> Frontend:
+        """The tokenizer and config of `model` (a short name or a path), without its weights."""
+        path = resolve_model(model, progress=progress)
+        config = ModelConfig.from_dir(path)
+        return cls(model, Tokenizer.from_dir(path), config.max_position_embeddings, config.vocab_size)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation rendered with the chat template, ready for the reply."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        assert isinstance(ids, list)
+        return ids
+
+
+class DeltaStream(Protocol):
+    """One accepted request's deltas; `aclose()` before the end aborts it (its blocks are freed)."""
+
+    def __aiter__(self) -> AsyncIterator[RequestDelta]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class EngineClient(Protocol):
+    """The engine(s) the application submits to."""
+
+    async def generate(self, req: EngineRequest) -> DeltaStream:
+        """The request's stream once an engine accepted it; its error (a `SpecDecodeError` for
+        bad input) otherwise."""
+        ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    async def replica_stats(self) -> Mapping[str, EngineStats]:
+        """Each engine's counters by replica name ("" for a lone engine: no replica label)."""
+        ...
+
 
 # ---- errors ------------------------------------------------------------------------------------
 
@@ -234,7 +296,7 @@ class Piece(NamedTuple):
     logprobs: list[Logged] | None  # tokens whose logprobs go with this text (None: not asked)
 
 
-async def _pump(choice: Choice, stream: RequestStream, emit: Callable[[Piece], None] | None) -> None:
+async def _pump(choice: Choice, stream: DeltaStream, emit: Callable[[Piece], None] | None) -> None:
     """Feed `stream` into `choice` until it finishes or meets a stop string (then abort it)."""
     async with contextlib.aclosing(stream):
         async for delta in stream:
@@ -296,19 +358,20 @@ class Server:
 
     def __init__(
         self,
-        llm: LLM,
-        engine: AsyncEngine,
+        model: Frontend,
+        engine: EngineClient,
         default_speculative: SpecConfig | None,
         model_name: str,
         api_key: str | None,
     ) -> None:
-        self.llm = llm
+        self.model = model
+        self.tokenizer = model.tokenizer
         self.engine = engine
         self.default_speculative = default_speculative
         self.model_name = model_name
         self.api_key = api_key
-        self.context = llm.model.config.max_position_embeddings
-        self.vocab_size = llm.model.config.vocab_size
+        self.context = model.context
+        self.vocab_size = model.vocab_size
         self.created = int(time.time())
 
     # ---- checks --------------------------------------------------------------------------------
@@ -409,20 +472,20 @@ class Server:
                 reqs.append(
                     EngineRequest(f"{prefix}-{index}", ids, dataclasses.replace(params, seed=seed), spec)
                 )
-                text = TextStream(self.llm.tokenizer, params.stop)
+                text = TextStream(self.tokenizer, params.stop)
                 logprobs = None if params.logprobs is None else []
                 choices.append(Choice(index, len(ids), j == 0, text, logprobs=logprobs))
         return reqs, choices
 
-    async def submit(self, reqs: list[EngineRequest]) -> list[RequestStream]:
+    async def submit(self, reqs: list[EngineRequest]) -> list[DeltaStream]:
         """Add every request at once (the engine thread takes them between two steps); if the
         engine refuses one, abort the others and answer with its error."""
         added = await asyncio.gather(*(self.engine.generate(req) for req in reqs), return_exceptions=True)
-        streams = [r for r in added if isinstance(r, RequestStream)]
+        streams = [r for r in added if not isinstance(r, BaseException)]
         if len(streams) < len(reqs):
             for stream in streams:
                 await stream.aclose()
-            failure = next(r for r in added if not isinstance(r, RequestStream))
+            failure = next(r for r in added if isinstance(r, BaseException))
             if not isinstance(failure, Exception):
                 raise failure  # cancelled
             raise _failure(failure)
@@ -458,7 +521,7 @@ class Server:
         return JSONResponse(shape.whole(choices, usage(choices)))
 
     async def events(
-        self, streams: list[RequestStream], choices: list[Choice], shape: Shape, include_usage: bool
+        self, streams: list[DeltaStream], choices: list[Choice], shape: Shape, include_usage: bool
     ) -> AsyncIterator[str]:
         """Server-sent events: chunks as text arrives, then usage if asked, then `[DONE]`.
 
@@ -466,7 +529,7 @@ class Server:
         every choice still running."""
         queue: asyncio.Queue[Piece | Exception] = asyncio.Queue()
 
-        async def pump(choice: Choice, stream: RequestStream) -> None:
+        async def pump(choice: Choice, stream: DeltaStream) -> None:
             try:
                 await _pump(choice, stream, queue.put_nowait)
             except Exception as exc:
@@ -495,7 +558,7 @@ class Server:
             await asyncio.gather(*pumps, return_exceptions=True)
 
 
-async def _collect(choices: list[Choice], streams: list[RequestStream]) -> None:
+async def _collect(choices: list[Choice], streams: list[DeltaStream]) -> None:
     """Run every choice to its end; the first failure cancels (and so aborts) the others."""
     try:
         async with asyncio.TaskGroup() as group:
@@ -618,15 +681,16 @@ class Shape:
 
 
 def create_app(
-    llm: LLM,
-    engine: AsyncEngine,
+    model: LLM | Frontend,
+    engine: EngineClient,
     default_speculative: SpecConfig | None = None,
     model_name: str | None = None,
     api_key: str | None = None,
 ) -> FastAPI:
     """The FastAPI application over a started `engine`. `model_name` is the id clients must send
-    (default: the name the LLM was loaded by)."""
-    server = Server(llm, engine, default_speculative, model_name or llm.model_name, api_key)
+    (default: the name the model was loaded by)."""
+    front = Frontend.of(model) if isinstance(model, LLM) else model
+    server = Server(front, engine, default_speculative, model_name or front.name, api_key)
     app = FastAPI(title="specdecode", docs_url=None, redoc_url=None)
     app.state.server = server
 
@@ -654,7 +718,7 @@ def create_app(
         if isinstance(prompts[0], int):
             prompts = [prompts]
         ids = [
-            server.llm.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+            server.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
             for p in prompts
         ]
         for prompt_ids in ids:
@@ -663,7 +727,7 @@ def create_app(
         prefix = f"cmpl-{uuid.uuid4().hex}"
         reqs, choices = server.requests(prefix, ids, body, params)
         return await server.answer(
-            request, body, reqs, choices, Shape("completion", prefix, server.model_name, server.llm.tokenizer)
+            request, body, reqs, choices, Shape("completion", prefix, server.model_name, server.tokenizer)
         )
 
     @app.post("/v1/chat/completions", dependencies=authorized)
@@ -674,7 +738,7 @@ def create_app(
         if not body.messages:
             raise APIError(400, "messages must not be empty", param="messages")
         try:
-            ids = server.llm.chat_prompt([{"role": m.role, "content": m.text()} for m in body.messages])
+            ids = server.model.chat_prompt([{"role": m.role, "content": m.text()} for m in body.messages])
         except SpecDecodeError as exc:
             raise APIError(400, f"messages: {exc}", param="messages") from None
         server.check_prompt(ids, "messages")
@@ -686,7 +750,7 @@ def create_app(
         prefix = f"chatcmpl-{uuid.uuid4().hex}"
         reqs, choices = server.requests(prefix, [ids], body, params)
         return await server.answer(
-            request, body, reqs, choices, Shape("chat", prefix, server.model_name, server.llm.tokenizer)
+            request, body, reqs, choices, Shape("chat", prefix, server.model_name, server.tokenizer)
         )
 
     @app.get("/v1/models", dependencies=authorized)
@@ -703,12 +767,13 @@ def create_app(
     @app.get("/health")
     async def health() -> Response:
         if not server.engine.alive:
-            return APIError(503, "the engine thread has stopped", kind="internal_error").response()
+            return APIError(503, "the engine has stopped", kind="internal_error").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(render(server.engine.stats), media_type="text/plain; version=0.0.4")
+        stats = await server.engine.replica_stats()
+        return PlainTextResponse(render(stats), media_type="text/plain; version=0.0.4")
 
     return app
 
