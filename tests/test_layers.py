@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "specdecode.llm",
             "specdecode.serving",
+            "specdecode.distributed",
             "specdecode.bench",
             "specdecode.train",
             "specdecode.cli",
