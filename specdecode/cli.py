@@ -330,46 +330,22 @@ def build_parser() -> argparse.ArgumentParser:
     fetch = msub.add_parser("fetch", help="download, check and convert a model")
     fetch.add_argument("names", nargs="+", metavar="NAME")
     fetch.set_defaults(func=cmd_models_fetch)
-    bench = sub.add_parser("bench", help="Spec-Bench: plain decoding vs speculative methods, per category")
-    add_model_args(bench)
-    from specdecode.bench.specbench import add_args as add_bench_args
-
-    add_bench_args(bench)
-    bench.set_defaults(func=_main_of("specdecode.bench.specbench"))
-
-    bench_rt = sub.add_parser("bench-runtime", help="plain decoding speed vs transformers, forward latency")
-    add_model_args(bench_rt)
-    bench_rt.add_argument("--new-tokens", type=_positive_int, default=256)
-    bench_rt.add_argument("--repeats", type=_positive_int, default=5)
-    bench_rt.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
-    bench_rt.set_defaults(func=_main_of("specdecode.bench.runtime"))
-
-    bench_srv = sub.add_parser(
-        "bench-serve", help="serving engine under load: tok/s and TTFT vs streams, speculation off/on/policy"
-    )
-    add_model_args(bench_srv)
-    from specdecode.bench.serve import add_args as add_bench_serve_args
-
-    add_bench_serve_args(bench_srv)
-    bench_srv.set_defaults(func=_main_of("specdecode.bench.serve"))
-
-    bench_off = sub.add_parser(
-        "bench-offline", help="LLM.generate throughput: many prompts in one call vs one call each"
-    )
-    add_model_args(bench_off)
-    from specdecode.bench.offline import add_args as add_bench_offline_args
-
-    add_bench_offline_args(bench_off)
-    bench_off.set_defaults(func=_main_of("specdecode.bench.offline"))
-
-    bench_peer = sub.add_parser(
-        "bench-peer", help="specdecode against llama.cpp on the same GGUF (needs the [peer] extra)"
-    )
-    add_model_args(bench_peer)
-    from specdecode.bench.peer import add_args as add_bench_peer_args
-
-    add_bench_peer_args(bench_peer)
-    bench_peer.set_defaults(func=_main_of("specdecode.bench.peer"))
+    benchmarks = {  # `specdecode COMMAND`: specdecode.bench.MODULE's add_args and main_args
+        "bench": ("specbench", "Spec-Bench: plain decoding vs speculative methods, per category"),
+        "bench-runtime": ("runtime", "plain decoding speed vs transformers, forward latency"),
+        "bench-serve": (
+            "serve",
+            "serving engine under load: tok/s and TTFT vs streams, speculation off/on/policy",
+        ),
+        "bench-offline": ("offline", "LLM.generate throughput: many prompts in one call vs one call each"),
+        "bench-peer": ("peer", "specdecode against llama.cpp on the same GGUF (needs the [peer] extra)"),
+    }
+    for command, (name, about) in benchmarks.items():
+        module = f"specdecode.bench.{name}"
+        bench = sub.add_parser(command, help=about)
+        add_model_args(bench)
+        importlib.import_module(module).add_args(bench)
+        bench.set_defaults(func=_main_of(module))
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (in-flight batching, speculation)")
     add_model_args(srv)

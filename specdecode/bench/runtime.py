@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdecode.errors import SpecDecodeError
 from specdecode.llm import LLM
 from specdecode.models.latency import forward_seconds
 from specdecode.sampling import SamplingParams
@@ -113,7 +114,16 @@ def print_report(report: RuntimeReport) -> None:
     print("    " + "  ".join(f"T={t}: {ms}" for t, ms in report.forward_ms.items()))
 
 
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+
+
 def main_args(args: argparse.Namespace) -> None:
+    for name in ("new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     report = run(args.model, args.dtype, args.new_tokens, args.repeats, args.threads)
     print_report(report)
     if args.json:
