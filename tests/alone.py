@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -10,7 +10,7 @@ from specdecode.drafters.base import Drafter
 from specdecode.engine.config import EngineConfig
 from specdecode.engine.llm_engine import EngineRequest, LLMEngine
 from specdecode.models.transformer import Transformer
-from specdecode.request import Request
+from specdecode.request import Proposal, Request
 from specdecode.sampling import SamplingParams
 
 
@@ -36,6 +36,32 @@ def alone(
     return seq.req, steps()
 
 
+def run(model: Transformer, prompt: list[int], drafter: Drafter | None, params: SamplingParams) -> Request:
+    """`prompt` decoded alone to its end with `drafter` (None: plainly): the finished request."""
+    req, steps = alone(model, prompt, params, [], drafter)
+    for _ in steps:
+        pass
+    return req
+
+
+def greedy(max_tokens: int = 64) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def exact_greedy(model: Transformer, prompt: list[int], drafter: Drafter, max_tokens: int = 64) -> Request:
+    """`prompt` decoded greedily with `drafter`, checked token for token against plain greedy
+    decoding (what every speculative method must give): the speculative request."""
+    spec = run(model, prompt, drafter, greedy(max_tokens))
+    assert spec.output_ids == run(model, prompt, None, greedy(max_tokens)).output_ids, prompt
+    return spec
+
+
+def tau(reqs: Iterable[Request]) -> float:
+    """τ of `reqs` together: the tokens they generated per target forward."""
+    done = list(reqs)
+    return sum(r.stats.num_generated_tokens for r in done) / sum(r.stats.num_target_forwards for r in done)
+
+
 @torch.inference_mode()
 def prefill(model: Transformer, req: Request) -> torch.Tensor:
     """Cache `req`'s prompt but its last token in its own (static) cache; returns the target's
@@ -43,6 +69,14 @@ def prefill(model: Transformer, req: Request) -> torch.Tensor:
     ids = torch.tensor([req.prompt_ids[:-1]], device=model.device)  # (1, P-1)
     positions = torch.arange(ids.shape[1], device=model.device)[None]  # (1, P-1)
     return model(ids, positions, req.cache)[0]
+
+
+def proposal(drafter: Drafter, model: Transformer, prompt: list[int]) -> Proposal:
+    """`drafter`'s first proposal for a greedy request of `prompt`, begun on the prompt's rows
+    (`prefill`) as the engine begins it."""
+    req = Request(model, prompt, greedy(8), [], drafter.max_nodes)
+    drafter.begin(req, prefill(model, req))
+    return drafter.propose(req)
 
 
 def together(

@@ -17,8 +17,6 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,9 +35,9 @@ from specdecode.request import Request
 from specdecode.sampling import SamplingParams, logits_to_probs
 from specdecode.spec_config import DraftModelConfig, PromptLookupConfig
 from specdecode.tree import DraftTree
-from tests.alone import alone, together
-from tests.stats import chi_square_sf
-from tests.tiny import make_tiny_hf, randomized
+from tests.alone import alone, greedy, run, together
+from tests.stats import DistributionCheck, chi_square_sf
+from tests.tiny import load_tiny_hf, randomized
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -67,34 +65,19 @@ def config(k: int, use_draft_logits: bool = True) -> DraftModelConfig:
     return DraftModelConfig(draft_model="tiny", num_draft_tokens=k, use_draft_logits=use_draft_logits)
 
 
-def run(model: Transformer, prompt: list[int], drafter: Drafter | None, params: SamplingParams) -> Request:
-    req, steps = alone(model, prompt, params, [], drafter)
-    for _ in steps:
-        pass
-    return req
-
-
-def greedy(max_tokens: int = 64) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-
-
 # ------------------------------------------------------------------------------------------------
 # Greedy
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Transformer:
-    out = tmp_path_factory.mktemp("dm_target")
-    make_tiny_hf("llama", out, seed=0)
-    return Transformer.from_dir(out)
+    return load_tiny_hf(tmp_path_factory.mktemp("dm_target"))
 
 
 @pytest.fixture(scope="module")
 def drafts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Transformer]:
-    out: Path = tmp_path_factory.mktemp("dm_draft")
-    make_tiny_hf("llama", out, seed=1)
     return {
-        "same shape, other seed": Transformer.from_dir(out),
+        "same shape, other seed": load_tiny_hf(tmp_path_factory.mktemp("dm_draft"), seed=1),
         "smaller": tiny_transformer(96, seed=2),
         "smaller vocab 90": tiny_transformer(90, seed=3),  # target ids >= 90 reach it as id 0
         "larger vocab 100": tiny_transformer(100, seed=4),  # drafts only ids < 96
@@ -242,24 +225,11 @@ def test_check_vocabularies() -> None:
 # Sampling: the distribution of generated sequences
 
 
-ALPHA = 1e-4  # chi-square p-value below which a distribution is rejected
 DELTA = 1e-6  # probability that an exact method exceeds the total-variation bound
 SMALL_V = 8
 SEQ_LEN = 3
 PROMPT = [1, 2, 3, 1, 2]  # repeats, so prompt lookup drafts
 PARAMS: dict[str, Any] = dict(temperature=0.9, top_k=6)  # top-k: some sequences are impossible
-
-
-@dataclass(frozen=True)
-class DistributionCheck:
-    n: int
-    p_value: float
-    tv: float
-    tv_bound: float
-
-    @property
-    def ok(self) -> bool:
-        return self.p_value > ALPHA and self.tv < self.tv_bound
 
 
 def check_distribution(
@@ -311,20 +281,27 @@ def exact_distribution(model: Transformer, prompt: list[int], length: int) -> di
     return out
 
 
+def small_target() -> tuple[Transformer, dict[tuple[int, ...], float]]:
+    """The sampling tests' target (a SMALL_V-token vocabulary) and the exact distribution of its
+    SEQ_LEN-token continuations of PROMPT."""
+    target = tiny_transformer(SMALL_V, seed=10, hidden=16, std=0.5)
+    return target, exact_distribution(target, PROMPT, SEQ_LEN)
+
+
 Small = tuple[Transformer, Transformer, dict[tuple[int, ...], float]]
 
 
 @pytest.fixture(scope="module")
 def small() -> Small:
     """Target, a related draft (the target's weights plus noise), and the exact distribution."""
-    target = tiny_transformer(SMALL_V, seed=10, hidden=16, std=0.5)
+    target, exact = small_target()
     draft = copy.deepcopy(target)
     g = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for p in draft.parameters():
             if p.dim() == 2:
                 p.add_(0.3 * torch.randn(p.shape, generator=g))
-    return target, draft, exact_distribution(target, PROMPT, SEQ_LEN)
+    return target, draft, exact
 
 
 class LyingDrafter(DraftModelDrafter):
@@ -372,6 +349,17 @@ def sample_outputs(
     return counts, n * SEQ_LEN / forwards
 
 
+def sampled_check(
+    target: Transformer,
+    exact: dict[tuple[int, ...], float],
+    make_drafter: Callable[[], Drafter | None],
+    n: int,
+) -> tuple[DistributionCheck, float]:
+    """`sample_outputs` checked against `exact` (`small_target`'s): the check and the mean τ."""
+    counts, tau = sample_outputs(target, make_drafter, n)
+    return check_distribution(counts, exact), tau
+
+
 def test_exact_distribution_and_check_on_plain_sampling(small: Small) -> None:
     """The enumeration sums to 1 and plain sampling through the engine passes the check."""
     target, _, exact = small
@@ -400,8 +388,7 @@ DEFAULT_N = {
 def test_sampling_is_lossless(small: Small, method: str) -> None:
     target, draft, exact = small
     t0 = time.perf_counter()
-    counts, tau = sample_outputs(target, lambda: METHODS[method](target, draft), DEFAULT_N[method])
-    result = check_distribution(counts, exact)
+    result, tau = sampled_check(target, exact, lambda: METHODS[method](target, draft), DEFAULT_N[method])
     elapsed = time.perf_counter() - t0
     assert result.ok, (result, tau, elapsed)
     assert tau > 1.0  # some drafts were accepted: the verifier really ran on them
@@ -411,8 +398,7 @@ def test_sampling_is_lossless(small: Small, method: str) -> None:
 @pytest.mark.parametrize("method", DEFAULT_N)
 def test_sampling_is_lossless_20k(small: Small, method: str) -> None:
     target, draft, exact = small
-    counts, _ = sample_outputs(target, lambda: METHODS[method](target, draft), 20_000)
-    result = check_distribution(counts, exact)
+    result, _ = sampled_check(target, exact, lambda: METHODS[method](target, draft), 20_000)
     assert result.ok, result
 
 
@@ -423,7 +409,6 @@ def test_sampling_is_lossless_20k(small: Small, method: str) -> None:
 def test_check_catches_lying_draft_probs(small: Small, method: str, n: int) -> None:
     """The same check, with no more samples than the honest methods get, flags both liars."""
     target, draft, exact = small
-    counts, _ = sample_outputs(target, lambda: METHODS[method](target, draft), n)
-    result = check_distribution(counts, exact)
+    result, _ = sampled_check(target, exact, lambda: METHODS[method](target, draft), n)
     assert not result.ok, result
     assert result.p_value < 1e-6, result

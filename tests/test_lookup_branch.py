@@ -25,10 +25,9 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.transformer import Transformer
 from specdecode.spec_config import DEFAULT_LOOKUP_TOKENS, Eagle2Config, MedusaConfig, parse_speculative
 from specdecode.tree import DraftTree
-from tests.alone import alone
-from tests.test_draft_model import check_distribution, exact_distribution, greedy, run, sample_outputs
-from tests.test_draft_model import tiny_transformer as small_transformer
-from tests.test_eagle import PROMPT, SEQ_LEN, oracle, random_head
+from tests.alone import alone, greedy, run
+from tests.test_draft_model import sampled_check, small_target
+from tests.test_eagle import oracle, random_head
 from tests.test_medusa import random_heads
 from tests.test_redrafter import random_head as random_redrafter
 from tests.tiny import copy_with_chat_tokenizer
@@ -148,8 +147,7 @@ N_SAMPLES = 1000
 
 @pytest.fixture(scope="module")
 def small() -> tuple[Transformer, dict[tuple[int, ...], float]]:
-    target = small_transformer(8, seed=10, hidden=16, std=0.5)
-    return target, exact_distribution(target, PROMPT, SEQ_LEN)
+    return small_target()
 
 
 @pytest.mark.parametrize("name", ["eagle2", "medusa", "redrafter"])
@@ -163,8 +161,7 @@ def test_sampling_is_lossless_with_the_branch(small: tuple, name: str) -> None:
         made.append(LookupBranch(TRAINED[name](target), 3))
         return made[-1]
 
-    counts, tau = sample_outputs(target, make, N_SAMPLES)
-    result = check_distribution(counts, exact)
+    result, tau = sampled_check(target, exact, make, N_SAMPLES)
     assert result.ok, (result, tau)
     assert sum(d.grafted for d in made) > N_SAMPLES // 4  # the branch was in many verified trees
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import cast
 
 import pytest
@@ -21,7 +20,7 @@ from specdecode.sampling import SamplingParams
 from specdecode.spec_config import PromptLookupConfig
 from specdecode.tree import DraftTree
 from tests.alone import alone
-from tests.tiny import make_tiny_hf
+from tests.tiny import load_tiny_hf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -162,16 +161,12 @@ def test_no_match_without_fallback_is_a_plain_step() -> None:
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Transformer:
-    out = tmp_path_factory.mktemp("pl_target")
-    make_tiny_hf("llama", out, seed=0)
-    return Transformer.from_dir(out)
+    return load_tiny_hf(tmp_path_factory.mktemp("pl_target"))
 
 
 @pytest.fixture(scope="module")
 def draft(tmp_path_factory: pytest.TempPathFactory) -> Transformer:
-    out: Path = tmp_path_factory.mktemp("pl_draft")
-    make_tiny_hf("llama", out, seed=1)
-    return Transformer.from_dir(out)
+    return load_tiny_hf(tmp_path_factory.mktemp("pl_draft"), seed=1)
 
 
 def generate(model: Transformer, prompt: list[int], drafter: Drafter | None, max_tokens: int = 64) -> Request:

@@ -28,10 +28,9 @@ from torch import Tensor
 
 from specdecode.tree import DraftTree
 from specdecode.verify import Verdict, _residual, verify_greedy, verify_sampling
-from tests.stats import chi_square_sf
+from tests.stats import DistributionCheck, chi_square_sf
 
 V = 8  # vocabulary of the toy models
-ALPHA = 1e-4  # chi-square p-value below which a prefix's next-token distribution is flagged
 MIN_COUNT = 400  # prefixes reached fewer times are not tested (expected counts too small)
 
 Verifier = Callable[[DraftTree, Tensor, torch.Generator], Verdict]
@@ -97,16 +96,10 @@ def draw_trial(case: Case, rng: random.Random) -> tuple[DraftTree, Tensor]:
 
 
 @dataclass(frozen=True)
-class PrefixCheck:
-    prefix: tuple[int, ...]
-    count: int
-    p_value: float
-    tv: float
-    tv_bound: float
+class PrefixCheck(DistributionCheck):
+    """The check of the next token's distribution after `prefix`, reached `n` times."""
 
-    @property
-    def ok(self) -> bool:
-        return self.p_value > ALPHA and self.tv < self.tv_bound
+    prefix: tuple[int, ...] = ()
 
 
 def chi_square_p_value(observed: Tensor, expected_probs: Tensor) -> float:
@@ -140,7 +133,7 @@ def check_lossless(verifier: Verifier, case: Case, n: int, seed: int) -> list[Pr
         expected = target_row(prefix)
         tv = 0.5 * float((observed / count - expected).abs().sum())
         p_value = chi_square_p_value(observed, expected)
-        report.append(PrefixCheck(prefix, count, p_value, tv, tv_bound=3 * (V / count) ** 0.5))
+        report.append(PrefixCheck(count, p_value, tv, tv_bound=3 * (V / count) ** 0.5, prefix=prefix))
     return report
 
 
@@ -337,7 +330,7 @@ def test_verify_sampling_is_lossless(case: Case, trials: int) -> None:
     report = check_lossless(verify_sampling, case, trials, seed=1234)
     assert looks_lossless(report), [c for c in report if not c.ok]
     # The first token is always tested; the trees are shaped so that some deeper prefix is too.
-    assert report[0].prefix == () and report[0].count == trials
+    assert report[0].prefix == () and report[0].n == trials
     if case.parents:
         assert any(len(c.prefix) >= 1 for c in report)
 

@@ -10,6 +10,8 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from specdecode.models.transformer import Transformer
+
 M = TypeVar("M", bound=nn.Module)
 
 # Both architectures share the sizes: the differences are the ones each family's real configs have.
@@ -62,6 +64,12 @@ def make_tiny_hf(arch: str, out: Path, seed: int = 0):
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
     return model
+
+
+def load_tiny_hf(out: Path, arch: str = "llama", seed: int = 0) -> Transformer:
+    """`make_tiny_hf`'s model, written to `out` and loaded as ours."""
+    make_tiny_hf(arch, out, seed)
+    return Transformer.from_dir(out)
 
 
 CHATML = (
