@@ -14,8 +14,6 @@ the final norm's scale (its weight is ones), and thus its greedy tokens, at ever
 from __future__ import annotations
 
 import json
-import os
-import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,21 +31,12 @@ from specdecode.models.transformer import Transformer
 from specdecode.request import Request
 from specdecode.sampling import SamplingParams
 from specdecode.spec_config import Eagle2Config, EagleConfig, parse_speculative
-from specdecode.train.eagle import IGNORE, Batch, TrainSettings, eagle_loss, fit, unroll_pairs
+from specdecode.train.eagle import IGNORE, Batch, TrainSettings, eagle_loss, objective, unroll_pairs
 from specdecode.train.features import extract
 from specdecode.tree import DraftTree
-from tests.alone import alone, prefill
-from tests.test_draft_model import (
-    PROMPT,
-    SEQ_LEN,
-    check_distribution,
-    exact_distribution,
-    greedy,
-    run,
-    sample_outputs,
-    tiny_transformer,
-)
-from tests.test_train import check_trained_run, random_samples, write_sharegpt
+from tests.alone import alone, greedy, prefill, proposal, run
+from tests.test_draft_model import sampled_check, small_target, tiny_transformer
+from tests.test_train import check_resume_is_exact, check_trained_run, random_samples, run_train_command
 from tests.tiny import randomized
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -146,14 +135,13 @@ def test_room_limits_the_tree(target: Transformer) -> None:
 # Sampling
 
 
-SMALL_V = 8
 N_SAMPLES = 1000  # per method: ~10 s each here; the liar below shows the check still has the power
 
 
 @pytest.fixture(scope="module")
 def small() -> tuple[Transformer, EagleHead, dict[tuple[int, ...], float]]:
-    target = tiny_transformer(SMALL_V, seed=10, hidden=16, std=0.5)
-    return target, random_head(target, seed=3, std=0.5), exact_distribution(target, PROMPT, SEQ_LEN)
+    target, exact = small_target()
+    return target, random_head(target, seed=3, std=0.5), exact
 
 
 class UnconditionalLiar(EagleDrafter):
@@ -190,8 +178,7 @@ SAMPLED: dict[str, Make] = {
 @pytest.mark.parametrize("name", SAMPLED)
 def test_sampling_is_lossless(small: tuple, name: str) -> None:
     target, head, exact = small
-    counts, tau = sample_outputs(target, lambda: SAMPLED[name](head, target), N_SAMPLES)
-    result = check_distribution(counts, exact)
+    result, tau = sampled_check(target, exact, lambda: SAMPLED[name](head, target), N_SAMPLES)
     assert result.ok, (result, tau)
     assert tau > 1.2  # drafts were accepted: the verifier really ran on them
 
@@ -200,8 +187,8 @@ def test_check_catches_siblings_declared_unconditionally(small: tuple) -> None:
     """The same check, with no more samples, flags siblings declared with the wrong q."""
     target, head, exact = small
     liar = lambda h, t: UnconditionalLiar(h, t, [[0], [1], [2], [3]])  # noqa: E731
-    counts, _ = sample_outputs(target, lambda: liar(head, target), N_SAMPLES)
-    assert not check_distribution(counts, exact).ok
+    result, _ = sampled_check(target, exact, lambda: liar(head, target), N_SAMPLES)
+    assert not result.ok, result
 
 
 def test_sampled_siblings_declare_their_conditional_distribution(target: Transformer) -> None:
@@ -231,12 +218,6 @@ def run_prefix(model: Transformer, ids: list[int]) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------
 # Trees and settings
-
-
-def proposal(drafter: EagleDrafter, model: Transformer, prompt: list[int]) -> Proposal:
-    req = Request(model, prompt, greedy(8), [], drafter.max_nodes)
-    drafter.begin(req, run_prefix(model, prompt))
-    return drafter.propose(req)
 
 
 def test_both_choice_forms_build_the_same_tree(target: Transformer) -> None:
@@ -397,21 +378,9 @@ def test_resumed_training_ends_where_an_uninterrupted_run_does(tiny_chat_dir: Pa
         torch.manual_seed(0)
         return EagleHead.for_target(model.config)
 
-    straight = fresh()
-    fit(straight, model, feats, settings, tmp_path / "straight.pt")
-
-    def ctrl_c_at_4(step: int) -> None:
-        if step == 4:
-            os.kill(os.getpid(), signal.SIGINT)
-
-    state = tmp_path / "resumed.pt"
-    with pytest.raises(KeyboardInterrupt):
-        fit(fresh(), model, feats, settings, state, on_step=ctrl_c_at_4)
-    assert torch.load(state, weights_only=True)["step"] == 5
-    resumed = fresh()
-    fit(resumed, model, feats, settings, state)
-    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
-        assert torch.equal(a, b), name
+    straight = check_resume_is_exact(
+        lambda s: objective(fresh(), model, feats, s), settings, tmp_path, 4, ce_weight=0.5
+    )
     assert not torch.equal(straight.fc.weight_t, fresh().fc.weight_t)
 
 
@@ -547,19 +516,9 @@ def test_train_command_end_to_end(
     """`specdecode train eagle` on a tiny ShareGPT file: head, config (with a fitted tree) and
     report written, EAGLE-1 and EAGLE-2 with it decode exactly like plain greedy, and a second
     run needs --resume."""
-    data = tmp_path / "sharegpt.json"
-    write_sharegpt(data, 30)
-    out = tmp_path / "head"
-    argv = [
-        "train", "eagle", "--model", str(tiny_chat_dir), "--data", str(data), "--out", str(out),
-        "--max-len", "96", "--epochs", "2", "--batch-size", "4", "--heldout", "5",
-        "--eval-prompts", "2", "--eval-tokens", "24", "--tree-nodes", "6", "--tree-depth", "3",
-        "--dtype", "float32", "--self-distill", "--feature-batch-size", "8", "--draft-vocab", "40",
-    ]  # fmt: skip
-    assert main(argv) == 0
-    printed = capsys.readouterr().out
-    assert "held-out top-1 accuracy of the drafted token by depth" in printed and "held-out τ" in printed
-    report = json.loads((out / "report.json").read_text())
+    flags = ["--batch-size", "4", "--tree-nodes", "6", "--tree-depth", "3", "--draft-vocab", "40"]
+    argv, out, printed, report = run_train_command("eagle", tiny_chat_dir, tmp_path, flags, capsys)
+    assert "held-out top-1 accuracy of the drafted token by depth" in printed
     assert len(report["heldout_top1_by_depth"]) == 3
     assert report["heldout_tau_eagle"] >= 1.0 and report["heldout_tau_eagle2"] >= 1.0
     head = load_head(out)
@@ -572,6 +531,7 @@ def test_train_command_end_to_end(
 
     # Fine-tuning starts from --init's weights and keeps its draft vocabulary (not --draft-vocab's).
     tuned = tmp_path / "tuned"
+    assert argv[7] == str(out) and argv[-2:] == ["--draft-vocab", "40"]
     again = [*argv[:7], str(tuned), *argv[8:-1], "0", "--init", str(out), "--unroll", "2"]
     assert main([*again, "--max-steps", "0"]) == 0
     start = load_head(tuned)

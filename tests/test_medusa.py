@@ -38,23 +38,14 @@ from specdecode.models.transformer import Transformer
 from specdecode.request import Request
 from specdecode.sampling import SamplingParams, logits_to_probs
 from specdecode.spec_config import MedusaConfig, parse_speculative
-from specdecode.train.data import Sample
-from specdecode.train.features import extract
-from specdecode.train.medusa import TrainSettings, fit, positions
+from specdecode.train.medusa import TrainSettings, objective, positions
+from specdecode.train.pipeline import train_loop
 from specdecode.tree import DraftTree
 from specdecode.verify import verify_typical
-from tests.alone import prefill
-from tests.test_draft_model import (
-    PROMPT,
-    SEQ_LEN,
-    check_distribution,
-    exact_distribution,
-    greedy,
-    run,
-    sample_outputs,
-)
-from tests.test_draft_model import tiny_transformer as small_transformer
-from tests.tiny import copy_with_chat_tokenizer, make_tiny_hf, randomized
+from tests.alone import exact_greedy, greedy, prefill, proposal, run, tau
+from tests.test_draft_model import sampled_check, small_target
+from tests.test_train import own_continuations
+from tests.tiny import randomized
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -101,40 +92,26 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Transformer, Medu
     that are right on the rows they were trained on must be right when drafting, which fails
     if the drafter reads any row but the one that produced the root."""
     out = tmp_path_factory.mktemp("medusa_trained")
-    make_tiny_hf("llama", out / "model", seed=3)
-    model = Transformer.from_dir(out / "model")
-    samples = [Sample(p, [False] * len(p), len(p)) for p in PROMPTS.values()]
-    max_len = max(len(p) for p in PROMPTS.values()) + 81
-    feats = extract(
-        model,
-        samples,
-        generate=True,
-        max_len=max_len,
-        eos_ids=[],
-        cache_dir=out / "f",
-        model_tag="t",
-        progress=False,
-    )
+    model, feats = own_continuations(out, list(PROMPTS.values()))
     settings = TrainSettings(
         data="-", out=str(out), num_heads=3, epochs=100, lr=1e-2, batch_size=64, progress=False
     )
     heads = MedusaHeads(3, 1, model.config.hidden_size, model.config.vocab_size)
-    fit(heads, model.head_weight_t().detach(), positions(feats, 3), settings, out / "state.pt")
+    train_loop(
+        objective(heads, model.head_weight_t().detach(), positions(feats, 3), settings), out / "state.pt"
+    )
     return model, heads
 
 
 def test_trained_heads_accept_and_stay_exact(trained: tuple[Transformer, MedusaHeads]) -> None:
     model, heads = trained
-    tokens = forwards = 0
-    for name, prompt in PROMPTS.items():
-        plain = run(model, prompt, None, greedy(80))
-        spec = run(model, prompt, MedusaDrafter(heads, model, [[0, 0, 0], [1]]), greedy(80))
-        assert spec.output_ids == plain.output_ids, name
-        tokens += spec.stats.num_generated_tokens
-        forwards += spec.stats.num_target_forwards
-        if name == "one token":  # drafting starts although the prompt has no row before its root
-            assert spec.stats.num_accepted_tokens > 0
-    assert tokens / forwards > 3.5, tokens / forwards  # 4 = every draft token accepted
+    runs = {
+        name: exact_greedy(model, prompt, MedusaDrafter(heads, model, [[0, 0, 0], [1]]), 80)
+        for name, prompt in PROMPTS.items()
+    }
+    # Drafting starts although the one-token prompt has no row before its root.
+    assert runs["one token"].stats.num_accepted_tokens > 0
+    assert tau(runs.values()) > 3.5, tau(runs.values())  # 4 = every draft token accepted
 
 
 def test_room_limits_the_tree(target: Transformer) -> None:
@@ -190,12 +167,6 @@ def test_choices_must_fit_the_heads(target: Transformer) -> None:
         MedusaDrafter(heads, target, [[0], [96]])
     with pytest.raises(SpecDecodeError, match="empty"):
         MedusaDrafter(heads, target, [[]])
-
-
-def proposal(drafter: MedusaDrafter, model: Transformer, prompt: list[int]) -> Proposal:
-    req = Request(model, prompt, greedy(8), [], drafter.max_nodes)
-    drafter.begin(req, prefill(model, req))
-    return drafter.propose(req)
 
 
 def test_both_choice_forms_build_the_same_tree(target: Transformer) -> None:
@@ -289,26 +260,6 @@ def test_heads_for_another_target_are_rejected(target: Transformer, tmp_path: Pa
         load_heads(tmp_path / "missing")
 
 
-def test_llm_loads_heads_once_and_names_missing_ones(tiny_model_dir: Path, tmp_path: Path) -> None:
-    model_dir = copy_with_chat_tokenizer(tiny_model_dir, tmp_path / "model")
-    llm = LLM(model=str(model_dir), progress=False)
-    heads = random_heads(llm.model)
-    save_heads(heads, tmp_path / "heads", target="tiny", dtype=torch.float32)
-    spec = {"method": "medusa", "heads": str(tmp_path / "heads")}
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    plain = llm.generate([[5, 6, 7, 8]], params, speculative=None)[0]
-    out = llm.generate([[5, 6, 7, 8]], params, speculative=spec)[0]
-    assert out.token_ids == plain.token_ids and out.stats.num_draft_tokens > 0
-    assert llm.drafters.head("medusa", str(tmp_path / "heads")) is llm.drafters.head(
-        "medusa", str(tmp_path / "heads/")
-    )
-    save_heads(MedusaHeads(2, 1, 32, 96), tmp_path / "narrow", target="other")
-    with pytest.raises(SpecDecodeError, match="trained for another target"):
-        llm.generate([[5, 6]], params, speculative={"method": "medusa", "heads": str(tmp_path / "narrow")})
-    with pytest.raises(SpecDecodeError, match="no Medusa heads ship for model"):
-        LLM(model=str(model_dir), speculative={"method": "medusa"}, progress=False)
-
-
 def test_cli_flags() -> None:
     parser = build_parser()
     base = ["generate", "--prompt", "x"]
@@ -383,9 +334,9 @@ SMALL_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0]]
 
 @pytest.fixture(scope="module")
 def small() -> tuple[Transformer, MedusaHeads, dict[tuple[int, ...], float]]:
-    target = small_transformer(8, seed=10, hidden=16, std=0.5)
+    target, exact = small_target()
     heads = random_heads(target, num_heads=2, seed=1, std=0.5)
-    return target, heads, exact_distribution(target, PROMPT, SEQ_LEN)
+    return target, heads, exact
 
 
 class ClaimsHeadSoftmax(MedusaDrafter):
@@ -410,18 +361,16 @@ SAMPLERS: dict[str, Factory] = {
 
 def test_sampling_is_lossless(small: tuple[Transformer, MedusaHeads, dict]) -> None:
     target, heads, exact = small
-    counts, tau = sample_outputs(target, lambda: SAMPLERS["exact"](target, heads), 5000)
-    result = check_distribution(counts, exact)
+    result, mean_tau = sampled_check(target, exact, lambda: SAMPLERS["exact"](target, heads), 5000)
     assert result.ok, result
-    assert tau > 1.1, tau  # the drafts were used and often accepted
+    assert mean_tau > 1.1, mean_tau  # the drafts were used and often accepted
 
 
 @pytest.mark.parametrize("method", ["typical acceptance", "claims the heads' softmax"])
 def test_check_catches_lossy_variants(small: tuple[Transformer, MedusaHeads, dict], method: str) -> None:
     """Typical acceptance is lossy by design, the liar by mistake: the same check flags both."""
     target, heads, exact = small
-    counts, _ = sample_outputs(target, lambda: SAMPLERS[method](target, heads), 2000)
-    result = check_distribution(counts, exact)
+    result, _ = sampled_check(target, exact, lambda: SAMPLERS[method](target, heads), 2000)
     assert not result.ok, result
     assert result.p_value < 1e-6, result
 

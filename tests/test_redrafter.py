@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -39,21 +37,14 @@ from specdecode.sampling import SamplingParams, logits_to_probs
 from specdecode.spec_config import ReDrafterConfig, parse_speculative
 from specdecode.train.data import Sample
 from specdecode.train.features import extract
-from specdecode.train.pipeline import draft_columns
-from specdecode.train.redrafter import TrainSettings, drafter_logits, fit, positions, top1_by_depth
+from specdecode.train.pipeline import draft_columns, train_loop
+from specdecode.train.redrafter import TrainSettings, drafter_logits, objective, positions, top1_by_depth
 from specdecode.tree import DraftTree
-from tests.alone import prefill
-from tests.test_draft_model import (
-    PROMPT,
-    SEQ_LEN,
-    check_distribution,
-    exact_distribution,
-    greedy,
-    run,
-    sample_outputs,
-)
+from tests.alone import exact_greedy, greedy, proposal, run, tau
+from tests.test_draft_model import sampled_check, small_target
 from tests.test_draft_model import tiny_transformer as small_transformer
-from tests.tiny import copy_with_chat_tokenizer, make_tiny_hf, randomized
+from tests.test_train import check_resume_is_exact, check_trained_run, own_continuations, run_train_command
+from tests.tiny import randomized
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -196,39 +187,20 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Transformer, ReDr
     that training and drafting agree on what the drafter reads (the row that produced the root,
     the root fed first, then each beam's tokens): otherwise its guesses would not be accepted."""
     out = tmp_path_factory.mktemp("redrafter_trained")
-    make_tiny_hf("llama", out / "model", seed=3)
-    model = Transformer.from_dir(out / "model")
-    samples = [Sample(p, [False] * len(p), len(p)) for p in PROMPTS.values()]
-    max_len = max(len(p) for p in PROMPTS.values()) + 81
-    feats = extract(
-        model, samples, generate=True, max_len=max_len, eos_ids=[], cache_dir=out / "f", model_tag="t",
-        progress=False,
-    )  # fmt: skip
+    model, feats = own_continuations(out, list(PROMPTS.values()))
     settings = TrainSettings(
         data="-", out=str(out), depth=3, epochs=150, lr=1e-2, batch_size=64, progress=False
     )
     head = ReDrafterHead(model.config.hidden_size, model.config.vocab_size, num_layers=1)
-    fit(
-        head,
-        model.embed.weight.detach(),
-        model.head_weight_t().detach(),
-        positions(feats, 3),
-        settings,
-        out / "s.pt",
-    )
+    embedding, lm_weight = model.embed.weight.detach(), model.head_weight_t().detach()
+    train_loop(objective(head, embedding, lm_weight, positions(feats, 3), settings), out / "s.pt")
     return model, head
 
 
 def test_trained_drafter_accepts_and_stays_exact(trained: tuple[Transformer, ReDrafterHead]) -> None:
     model, head = trained
-    tokens = forwards = 0
-    for name, prompt in PROMPTS.items():
-        plain = run(model, prompt, None, greedy(80))
-        spec = run(model, prompt, ReDrafter(head, model, 2, 4), greedy(80))
-        assert spec.output_ids == plain.output_ids, name
-        tokens += spec.stats.num_generated_tokens
-        forwards += spec.stats.num_target_forwards
-    assert tokens / forwards > 3.0, tokens / forwards  # 4 = every draft token accepted
+    runs = [exact_greedy(model, prompt, ReDrafter(head, model, 2, 4), 80) for prompt in PROMPTS.values()]
+    assert tau(runs) > 3.0, tau(runs)  # 4 = every draft token accepted
 
 
 def test_room_limits_the_tree(target: Transformer) -> None:
@@ -246,9 +218,9 @@ def test_room_limits_the_tree(target: Transformer) -> None:
 
 @pytest.fixture(scope="module")
 def small() -> tuple[Transformer, ReDrafterHead, dict[tuple[int, ...], float]]:
-    target = small_transformer(8, seed=10, hidden=16, std=0.5)
+    target, exact = small_target()
     head = random_head(target, seed=1, std=0.2)  # beams that split at depth 1: tau ~1.3
-    return target, head, exact_distribution(target, PROMPT, SEQ_LEN)
+    return target, head, exact
 
 
 class ClaimsDrafterSoftmax(ReDrafter):
@@ -275,16 +247,14 @@ class ClaimsDrafterSoftmax(ReDrafter):
 
 def test_sampling_is_lossless(small: tuple[Transformer, ReDrafterHead, dict]) -> None:
     target, head, exact = small
-    counts, tau = sample_outputs(target, lambda: ReDrafter(head, target, 2, 3), 2500)
-    result = check_distribution(counts, exact)
+    result, mean_tau = sampled_check(target, exact, lambda: ReDrafter(head, target, 2, 3), 2500)
     assert result.ok, result
-    assert tau > 1.1, tau  # the drafts were used and often accepted
+    assert mean_tau > 1.1, mean_tau  # the drafts were used and often accepted
 
 
 def test_check_catches_the_drafters_softmax_as_q(small: tuple[Transformer, ReDrafterHead, dict]) -> None:
     target, head, exact = small
-    counts, _ = sample_outputs(target, lambda: ClaimsDrafterSoftmax(head, target, 2, 3), 1500)
-    result = check_distribution(counts, exact)
+    result, _ = sampled_check(target, exact, lambda: ClaimsDrafterSoftmax(head, target, 2, 3), 1500)
     assert not result.ok, result
     assert result.p_value < 1e-6, result
 
@@ -363,10 +333,7 @@ def test_reference_layout_drafts_like_our_format(target: Transformer, tmp_path: 
     prompt = PROMPTS["mixed"]
     trees = {}
     for name, h in loaded.items():
-        drafter = ReDrafter(h, target, 4, 4)
-        req = Request(target, prompt, greedy(8), [], drafter.max_nodes)
-        drafter.begin(req, prefill(target, req))
-        trees[name] = drafter.propose(req).tree
+        trees[name] = proposal(ReDrafter(h, target, 4, 4), target, prompt).tree
     for name in ("safetensors", "bin"):
         assert not loaded[name].shared_lm_head
         assert torch.equal(trees[name].tokens, trees["ours"].tokens), name
@@ -397,25 +364,6 @@ def test_checkpoint_errors(target: Transformer, tmp_path: Path) -> None:
     (broken / "config.json").write_text(json.dumps({"model_type": "recurrent_drafting_drafter"}))
     with pytest.raises(SpecDecodeError, match="not a ReDrafter config"):
         load_head(broken)
-
-
-def test_llm_loads_the_drafter_once_and_names_missing_ones(tiny_model_dir: Path, tmp_path: Path) -> None:
-    model_dir = copy_with_chat_tokenizer(tiny_model_dir, tmp_path / "model")
-    llm = LLM(model=str(model_dir), progress=False)
-    save_head(random_head(llm.model), tmp_path / "head", target="tiny", dtype=torch.float32)
-    spec = {"method": "redrafter", "head": str(tmp_path / "head"), "beam_width": 3}
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    plain = llm.generate([[5, 6, 7, 8]], params, speculative=None)[0]
-    out = llm.generate([[5, 6, 7, 8]], params, speculative=spec)[0]
-    assert out.token_ids == plain.token_ids and out.stats.num_draft_tokens > 0
-    assert llm.drafters.head("redrafter", str(tmp_path / "head")) is llm.drafters.head(
-        "redrafter", str(tmp_path / "head/")
-    )
-    save_head(ReDrafterHead(32, 96), tmp_path / "narrow", target="other")
-    with pytest.raises(SpecDecodeError, match="trained for another target"):
-        llm.generate([[5, 6]], params, speculative={"method": "redrafter", "head": str(tmp_path / "narrow")})
-    with pytest.raises(SpecDecodeError, match="specdecode train redrafter --model"):
-        LLM(model=str(model_dir), speculative={"method": "redrafter"}, progress=False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -485,25 +433,10 @@ def test_resumed_training_ends_where_an_uninterrupted_run_does(tiny_chat_dir: Pa
         torch.manual_seed(0)
         return ReDrafterHead(model.config.hidden_size, model.config.vocab_size, num_layers=1)
 
-    straight = new_head()
-    fit(straight, emb, lm, data, settings, tmp_path / "straight.pt")
-
-    def ctrl_c_at_5(step: int) -> None:
-        if step == 5:
-            os.kill(os.getpid(), signal.SIGINT)
-
-    state = tmp_path / "resumed.pt"
-    with pytest.raises(KeyboardInterrupt):
-        fit(new_head(), emb, lm, data, settings, state, on_step=ctrl_c_at_5)
-    assert torch.load(state, weights_only=True)["step"] == 6  # the step under way finishes
-    resumed = new_head()  # a fresh process: everything comes from the checkpoint
-    fit(resumed, emb, lm, data, settings, state)
-    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
-        assert torch.equal(a, b), name
+    straight = check_resume_is_exact(
+        lambda s: objective(new_head(), emb, lm, data, s), settings, tmp_path, 5, distill=0.0
+    )
     assert not torch.equal(straight.rnn_w.weight, new_head().rnn_w.weight)
-    other = TrainSettings(**{**settings.__dict__, "distill": 0.0})
-    with pytest.raises(SpecDecodeError, match="other settings"):
-        fit(new_head(), emb, lm, data, other, state)
 
 
 def test_train_command_end_to_end(
@@ -511,21 +444,20 @@ def test_train_command_end_to_end(
 ) -> None:
     """`specdecode train redrafter` on a tiny ShareGPT file: drafter, config and report written,
     the drafter decodes exactly like plain greedy, and a second run needs --resume."""
-    from tests.test_train import check_trained_run, write_sharegpt
-
-    data = tmp_path / "sharegpt.json"
-    write_sharegpt(data, 30)
-    out = tmp_path / "drafter"
-    argv = [
-        "train", "redrafter", "--model", str(tiny_chat_dir), "--data", str(data), "--out", str(out),
-        "--depth", "3", "--num-layers", "1", "--max-len", "96", "--epochs", "2", "--batch-size", "64",
-        "--heldout", "5", "--eval-prompts", "2", "--eval-tokens", "24", "--beam-width", "2",
-        "--draft-vocab", "20", "--dtype", "float32", "--self-distill", "--feature-batch-size", "8",
-    ]  # fmt: skip
-    assert main(argv) == 0
-    printed = capsys.readouterr().out
-    assert "held-out top-1 accuracy per depth" in printed and "held-out τ" in printed
-    report = json.loads((out / "report.json").read_text())
+    flags = [
+        "--depth",
+        "3",
+        "--num-layers",
+        "1",
+        "--batch-size",
+        "64",
+        "--beam-width",
+        "2",
+        "--draft-vocab",
+        "20",
+    ]
+    argv, out, printed, report = run_train_command("redrafter", tiny_chat_dir, tmp_path, flags, capsys)
+    assert "held-out top-1 accuracy per depth" in printed
     assert len(report["heldout_top1"]) == 3 and report["heldout_tau"] >= 1.0
     head = load_head(out)
     assert head.num_layers == 1 and head.shared_lm_head and head.draft_vocab.numel() == 20

@@ -1,14 +1,24 @@
-"""Speculative methods through the public API: greedy equality, stats, and bad settings."""
+"""Speculative methods through the public API: greedy equality, stats, bad settings, and trained
+heads loaded once per directory."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
+from specdecode.drafters.medusa import save_heads
+from specdecode.drafters.redrafter import save_head
+from specdecode.models.transformer import Transformer
 from specdecode.spec_config import LookaheadConfig, parse_speculative
+from tests.test_draft_model import tiny_transformer
+from tests.test_medusa import random_heads
+from tests.test_redrafter import random_head
+from tests.tiny import copy_with_chat_tokenizer
 from tests.tiny_gguf import write_tiny_gguf
 
 PROMPTS = ["the the tea in the tea", "in 12 12 12 in", "the a the a the a"]
@@ -169,3 +179,33 @@ def test_draft_dtype(llm: LLM, tiny_paths) -> None:
     assert llm.drafters.draft_model(draft, "auto").dtype == auto
     assert llm.drafters.draft_model(draft, "float32").dtype == torch.float32
     assert llm.drafters.draft_model(draft, "bfloat16").dtype == torch.bfloat16
+
+
+# Trained heads through `LLM`: per method, the setting naming the head's directory, a random head
+# for a target, how a head is saved, the error when none ship for the model, and other settings.
+HEAD_KINDS: dict[str, tuple[str, Callable[[Transformer], nn.Module], Callable[..., Path], str, dict]] = {
+    "medusa": ("heads", random_heads, save_heads, "no Medusa heads ship for model", {}),
+    "redrafter": ("head", random_head, save_head, "specdecode train redrafter --model", {"beam_width": 3}),
+}
+
+
+@pytest.mark.parametrize("method", HEAD_KINDS)
+def test_llm_loads_heads_once_and_names_missing_ones(
+    tiny_model_dir: Path, tmp_path: Path, method: str
+) -> None:
+    key, random, save, missing, options = HEAD_KINDS[method]
+    model_dir = copy_with_chat_tokenizer(tiny_model_dir, tmp_path / "model")
+    llm = LLM(model=str(model_dir), progress=False)
+    save(random(llm.model), tmp_path / "heads", target="tiny", dtype=torch.float32)
+    spec = {"method": method, key: str(tmp_path / "heads"), **options}
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = llm.generate([[5, 6, 7, 8]], params, speculative=None)[0]
+    out = llm.generate([[5, 6, 7, 8]], params, speculative=spec)[0]
+    assert out.token_ids == plain.token_ids and out.stats.num_draft_tokens > 0
+    heads = llm.drafters.head(method, str(tmp_path / "heads"))
+    assert llm.drafters.head(method, str(tmp_path / "heads/")) is heads  # loaded once
+    save(random(tiny_transformer(96, seed=1, hidden=32)), tmp_path / "narrow", target="other")
+    with pytest.raises(SpecDecodeError, match="trained for another target"):
+        llm.generate([[5, 6]], params, speculative={"method": method, key: str(tmp_path / "narrow")})
+    with pytest.raises(SpecDecodeError, match=missing):
+        LLM(model=str(model_dir), speculative={"method": method}, progress=False)

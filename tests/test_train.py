@@ -10,10 +10,14 @@ import json
 import os
 import random
 import signal
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 import torch
+from torch import nn
 
 from specdecode.cli import main
 from specdecode.drafters.medusa import MedusaHeads, load_heads
@@ -25,8 +29,10 @@ from specdecode.sampling import SamplingParams
 from specdecode.train import features as features_module
 from specdecode.train.data import Sample, prompt, read_sharegpt, render, split
 from specdecode.train.features import Features, extract, run_batch
-from specdecode.train.medusa import IGNORE, TrainSettings, fit, positions
+from specdecode.train.medusa import IGNORE, TrainSettings, objective, positions
+from specdecode.train.pipeline import Common, Objective, train_loop
 from tests.alone import alone
+from tests.tiny import load_tiny_hf
 
 WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "big", "red", "and", "or", "why", "is", "it"]
 
@@ -170,6 +176,22 @@ def random_samples(count: int, seed: int, low: int = 3, high: int = 20) -> list[
         ids = [rng.randrange(3, 96) for _ in range(rng.randint(low, high))]
         out.append(Sample(ids, [False] * len(ids), len(ids)))
     return out
+
+
+def own_continuations(
+    out: Path, prompts: list[list[int]], new_tokens: int = 81
+) -> tuple[Transformer, Features]:
+    """A tiny Llama target (seed 3, written under `out`) and its features over its own greedy
+    continuations of `prompts`, up to `new_tokens` each: data from which a drafter learns exactly
+    the rows that decoding these prompts will show it."""
+    model = load_tiny_hf(out / "model", seed=3)
+    samples = [Sample(p, [False] * len(p), len(p)) for p in prompts]
+    max_len = max(len(p) for p in prompts) + new_tokens
+    feats = extract(
+        model, samples, generate=True, max_len=max_len, eos_ids=[], cache_dir=out / "f", model_tag="t",
+        progress=False,
+    )  # fmt: skip
+    return model, feats
 
 
 def test_batched_features_equal_one_sequence_forwards(tiny: tuple[Transformer, Tokenizer]) -> None:
@@ -398,6 +420,41 @@ def new_heads(model: Transformer) -> MedusaHeads:
     return MedusaHeads(2, 1, model.config.hidden_size, model.config.vocab_size)
 
 
+def check_resume_is_exact(
+    new_objective: Callable[[Common], Objective],
+    settings: Common,
+    tmp_path: Path,
+    interrupt_at: int,
+    **other: Any,
+) -> nn.Module:
+    """What every method's training loop must give (`new_objective(settings)`: a fresh module each
+    call): a run interrupted by Ctrl-C after step `interrupt_at` finishes the step under way,
+    checkpoints it and puts the caller's SIGINT handler back; resumed from the checkpoint with a
+    fresh module, as a new process would, it ends with the weights of an uninterrupted run; and
+    the checkpoint refuses settings with the `other` values. Returns the uninterrupted run's module."""
+    straight = new_objective(settings)
+    train_loop(straight, tmp_path / "straight.pt")
+
+    def ctrl_c(step: int) -> None:
+        if step == interrupt_at:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    state = tmp_path / "resumed.pt"
+    before = signal.getsignal(signal.SIGINT)  # default, or ignored under a shell's background job
+    with pytest.raises(KeyboardInterrupt):
+        train_loop(new_objective(settings), state, on_step=ctrl_c)
+    assert torch.load(state, weights_only=True)["step"] == interrupt_at + 1  # never inside a step
+    assert signal.getsignal(signal.SIGINT) is before  # the loop put the caller's handler back
+    resumed = new_objective(settings)  # a fresh process: everything comes from the checkpoint
+    train_loop(resumed, state)
+    expected = straight.module.state_dict()
+    for (name, a), b in zip(expected.items(), resumed.module.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    with pytest.raises(SpecDecodeError, match="other settings"):
+        train_loop(new_objective(replace(settings, **other)), state)
+    return straight.module
+
+
 def test_resumed_training_ends_where_an_uninterrupted_run_does(
     tiny: tuple[Transformer, Tokenizer], tmp_path: Path
 ) -> None:
@@ -405,33 +462,12 @@ def test_resumed_training_ends_where_an_uninterrupted_run_does(
     feats, settings = tiny_setup(tiny, tmp_path)
     data = positions(feats, 2)
     weight = model.head_weight_t().detach()
-
-    straight = new_heads(model)
-    fit(straight, weight, data, settings, tmp_path / "straight.pt")
-
-    def ctrl_c_at_7(step: int) -> None:
-        if step == 7:
-            os.kill(os.getpid(), signal.SIGINT)
-
-    resumed = new_heads(model)
-    state = tmp_path / "resumed.pt"
-    before = signal.getsignal(signal.SIGINT)  # default, or ignored under a shell's background job
-    with pytest.raises(KeyboardInterrupt):
-        fit(resumed, weight, data, settings, state, on_step=ctrl_c_at_7)
-    # Ctrl-C ends the run after the step under way, never inside one.
-    assert torch.load(state, weights_only=True)["step"] == 8
-    assert signal.getsignal(signal.SIGINT) is before  # the loop put the caller's handler back
-    resumed = new_heads(model)  # a fresh process: everything comes from the checkpoint
-    fit(resumed, weight, data, settings, state)
-    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
-        assert torch.equal(a, b), name
+    straight = check_resume_is_exact(
+        lambda s: objective(new_heads(model), weight, data, s), settings, tmp_path, 7, lr=1e-2
+    )
     assert not torch.equal(
         straight.state_dict()["blocks.0.0.linear.weight"], new_heads(model).blocks[0][0].linear.weight
     )
-
-    other = TrainSettings(**{**settings.__dict__, "lr": 1e-2})
-    with pytest.raises(SpecDecodeError, match="other settings"):
-        fit(new_heads(model), weight, data, other, state)
 
 
 def check_trained_run(
@@ -453,24 +489,41 @@ def check_trained_run(
     assert main([*argv, "--resume"]) == 0
 
 
+class TrainRun(NamedTuple):
+    argv: list[str]  # the command line
+    out: Path  # its --out
+    printed: str
+    report: dict[str, Any]  # OUT/report.json
+
+
+def run_train_command(
+    method: str, model_dir: Path, tmp_path: Path, flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> TrainRun:
+    """`specdecode train METHOD` as every method's end-to-end test runs it, with the method's own
+    `flags`: self-distilled on a tiny ShareGPT file (30 conversations, 5 held out), float32, τ on
+    2 held-out prompts of 24 tokens. The run must succeed and print its held-out τ."""
+    data = tmp_path / "sharegpt.json"
+    write_sharegpt(data, 30)
+    out = tmp_path / method
+    argv = [
+        "train", method, "--model", str(model_dir), "--data", str(data), "--out", str(out),
+        "--max-len", "96", "--epochs", "2", "--heldout", "5", "--eval-prompts", "2", "--eval-tokens", "24",
+        "--dtype", "float32", "--self-distill", "--feature-batch-size", "8", *flags,
+    ]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "held-out τ" in printed
+    return TrainRun(argv, out, printed, json.loads((out / "report.json").read_text()))
+
+
 def test_train_command_end_to_end(
     tiny_chat_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`specdecode train medusa` on a tiny ShareGPT file: heads, config and report written, the
     heads decode exactly like plain greedy, and a second run needs --resume."""
-    data = tmp_path / "sharegpt.json"
-    write_sharegpt(data, 30)
-    out = tmp_path / "heads"
-    argv = [
-        "train", "medusa", "--model", str(tiny_chat_dir), "--data", str(data), "--out", str(out),
-        "--num-heads", "2", "--max-len", "96", "--epochs", "2", "--batch-size", "64",
-        "--heldout", "5", "--eval-prompts", "2", "--eval-tokens", "24", "--tree-nodes", "6",
-        "--dtype", "float32", "--self-distill", "--feature-batch-size", "8",
-    ]  # fmt: skip
-    assert main(argv) == 0
-    printed = capsys.readouterr().out
-    assert "held-out top-1 accuracy per head" in printed and "held-out τ" in printed
-    report = json.loads((out / "report.json").read_text())
+    flags = ["--num-heads", "2", "--batch-size", "64", "--tree-nodes", "6"]
+    argv, out, printed, report = run_train_command("medusa", tiny_chat_dir, tmp_path, flags, capsys)
+    assert "held-out top-1 accuracy per head" in printed
     assert len(report["heldout_top1"]) == 2 and report["heldout_tau"] >= 1.0
     heads = load_heads(out)
     assert heads.num_heads == 2 and heads.choices is not None and len(heads.choices) == 6

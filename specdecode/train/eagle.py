@@ -36,56 +36,42 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specdecode.drafters.eagle import EagleHead, check_fits, load_head, save_head
-from specdecode.drafters.medusa import best_tree
-from specdecode.layers import bind_kernels
+from specdecode.drafters.eagle import EagleDrafter, EagleHead, check_fits, load_head, save_head
 from specdecode.models.transformer import Transformer
 from specdecode.train import pipeline
 from specdecode.train.features import Features
-from specdecode.train.pipeline import IGNORE
-
-MAX_RANK = 10  # ranks tracked for the tree fit; deeper ranks are never worth a node
+from specdecode.train.pipeline import IGNORE, MAX_RANK
 
 
 @dataclass(frozen=True)
 class TrainSettings(pipeline.Common):
     """Everything a run depends on; `specdecode train eagle --help` describes each."""
 
-    FLAGS: ClassVar[dict[str, pipeline.Flag]] = {
-        "ce_weight": pipeline.Flag("weight of the LM-head cross-entropy", least=0, steps=True),
-        "noise": pipeline.Flag("width of the uniform noise on input features", least=0, steps=True),
-        "tree_nodes": pipeline.Flag("nodes of the fitted EAGLE-1 tree", least=1),
-        "tree_depth": pipeline.Flag("depths measured for the tree fit", least=1),
-        "draft_vocab": pipeline.Flag("token ids the head drafts from (0: all)", least=0, steps=True),
-        "unroll": pipeline.Flag(
-            "drafting steps trained from each position: 1 teacher-forces (EAGLE); n > 1 also trains "
-            "n-1 steps that read the head's own guesses, as drafting does (n times the work)",
-            least=1,
-            steps=True,
-        ),
-        "init": pipeline.Flag(
-            "start from this head directory (fine-tuning; its draft vocabulary is kept)", steps=True
-        ),
-    }
-
     epochs: int = 10
     batch_size: int = 8  # sequences per step
     save_every: int = 50
-    ce_weight: float = 0.1
-    noise: float = 0.2
-    tree_nodes: int = 11
-    tree_depth: int = 5
-    draft_vocab: int = 16384
-    unroll: int = 1  # drafting steps trained from each position (1: EAGLE's teacher forcing)
-    init: str | None = None  # a head to start from (its draft vocabulary is kept)
+    ce_weight: float = pipeline.flag(0.1, "weight of the LM-head cross-entropy", least=0, steps=True)
+    noise: float = pipeline.flag(0.2, "width of the uniform noise on input features", least=0, steps=True)
+    tree_nodes: int = pipeline.flag(11, "nodes of the fitted EAGLE-1 tree", least=1)
+    tree_depth: int = pipeline.flag(5, "depths measured for the tree fit", least=1)
+    draft_vocab: int = pipeline.flag(16384, "token ids the head drafts from (0: all)", least=0, steps=True)
+    unroll: int = pipeline.flag(
+        1,
+        "drafting steps trained from each position: 1 teacher-forces (EAGLE); n > 1 also trains "
+        "n-1 steps that read the head's own guesses, as drafting does (n times the work)",
+        least=1,
+        steps=True,
+    )
+    init: str | None = pipeline.flag(
+        None, "start from this head directory (fine-tuning; its draft vocabulary is kept)", steps=True
+    )
 
 
 @dataclass
@@ -210,18 +196,13 @@ def eagle_loss(
     return torch.stack(losses).mean(), hits
 
 
-def fit(
-    head: EagleHead,
-    target: Transformer,
-    data: Features,
-    settings: TrainSettings,
-    state_file: Any,
-    on_step: Callable[[int], None] | None = None,
-) -> dict[str, float]:
-    """Train `head` in place on the training sequences, checkpointing to `state_file`.
-
-    Returns the mean loss and top-1 accuracy of the last 50 steps. Matmuls run in the target's
-    dtype (see `eagle_loss`); the cross-entropy runs over `head.draft_vocab` (all ids if None)."""
+def objective(
+    head: EagleHead, target: Transformer, data: Features, settings: TrainSettings
+) -> pipeline.Objective:
+    """Training `head` on the training sequences (`pipeline.train_loop` runs it): `eagle_loss`
+    (with the settings' weights, noise and unrolled steps) and its top-1 accuracy as the step's
+    figure ("acc"), gradients clipped to norm 0.5. Matmuls run in the target's dtype (see
+    `eagle_loss`); the cross-entropy runs over `head.draft_vocab` (all ids if None)."""
     device = target.device
     lm_weight, column = pipeline.draft_columns(target.head_weight_t(), head.draft_vocab)  # (C, V')
     embed = target.embed
@@ -235,9 +216,7 @@ def fit(
             head, embed, lm_weight, chunk, settings.ce_weight, settings.noise, g, unroll=settings.unroll
         )
 
-    return pipeline.train_loop(
-        head, loss_fn, len(data), settings, state_file, on_step, metric="acc", desc="eagle", clip_norm=0.5
-    )
+    return pipeline.Objective(head, loss_fn, len(data), settings, metric="acc", desc="eagle", clip_norm=0.5)
 
 
 def draft_vocabulary(data: Features, size: int, vocab_size: int) -> Tensor | None:
@@ -308,7 +287,6 @@ def depth_rank_counts(
 
 def train(settings: TrainSettings) -> dict[str, Any]:
     """The whole pipeline; returns (and writes to OUT/report.json) what it measured."""
-    started = time.perf_counter()
     prep = pipeline.prepare(settings)
     target, out = prep.target, prep.out
     positions = sum(int(m[2:].sum()) for m in prep.train.mask)
@@ -325,43 +303,31 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         head = EagleHead.for_target(target.config).to(target.device)
         head.draft_vocab = draft_vocabulary(prep.train, settings.draft_vocab, target.config.vocab_size)
     t0 = time.perf_counter()
-    figures = fit(head, target, prep.train, settings, out / "cache" / pipeline.STATE)
+    task = objective(head, target, prep.train, settings)
+    figures = pipeline.train_loop(task, out / "cache" / pipeline.STATE)
     train_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    eval_target = prep.eval_target()
-    counts = depth_rank_counts(head, eval_target, prep.heldout, settings.tree_depth, head.draft_vocab)
-    totals = counts.sum(1).clamp(min=1)  # (D,)
-    rank_probs = (counts[:, :MAX_RANK] / totals[:, None]).tolist()
-    top1 = [round(p[0], 4) for p in rank_probs]
-    top5 = [round(sum(p[:5]), 4) for p in rank_probs]
-    head.choices = best_tree(rank_probs, settings.tree_nodes)
+    counts = depth_rank_counts(head, prep.eval_target(), prep.heldout, settings.tree_depth, head.draft_vocab)
+    ranks = pipeline.fit_tree(counts, settings.tree_nodes)
+    head.choices = ranks.tree
     report: dict[str, Any] = {
-        "heldout_top1_by_depth": top1,
-        "heldout_top5_by_depth": top5,
-        "heldout_positions": int(totals[0]),
+        "heldout_top1_by_depth": ranks.top1,
+        "heldout_top5_by_depth": ranks.top5,
+        "heldout_positions": int(counts[0].sum()),
         "draft_vocab_heldout_coverage": round(coverage(prep.heldout, head.draft_vocab), 4),
         "train_sequences": len(prep.train),
         "train_positions": positions,
         "train_top1": round(figures["acc"], 4) if math.isfinite(figures["acc"]) else None,
         **pipeline.run_figures(prep, settings, figures, train_s),
     }
-    save_head(head, out, target=settings.model, extra={"training": report})
-
     # τ of real decoding with the saved (float16) head on the float32 target, as users run it.
-    from specdecode.drafters.eagle import EagleDrafter
-
-    shipped = load_head(out, torch.float32, eval_target.device)
-    bind_kernels(shipped, eval_target.kernels)
-    makers = {
-        "heldout_tau_eagle": lambda t: EagleDrafter.static(shipped, t),
-        "heldout_tau_eagle2": lambda t: EagleDrafter.dynamic(shipped, t),
-    }
-    prompts = pipeline.heldout_tau(prep, settings, report, makers, since=t0)
-    pipeline.write_report(prep, report, started)
-    save_head(head, out, target=settings.model, extra={"training": report})
-    print(f"held-out top-1 accuracy of the drafted token by depth: {' '.join(f'{a:.3f}' for a in top1)}")
-    print(f"held-out top-5 accuracy by depth: {' '.join(f'{a:.3f}' for a in top5)}")
+    makers = {"heldout_tau_eagle": EagleDrafter.static, "heldout_tau_eagle2": EagleDrafter.dynamic}
+    prompts = pipeline.ship(prep, settings, report, head, save_head, load_head, makers, since=t0)
+    print(
+        f"held-out top-1 accuracy of the drafted token by depth: {' '.join(f'{a:.3f}' for a in ranks.top1)}"
+    )
+    print(f"held-out top-5 accuracy by depth: {' '.join(f'{a:.3f}' for a in ranks.top5)}")
     if head.draft_vocab is not None:
         print(
             f"draft vocabulary: {head.draft_vocab.numel()} ids, holding "

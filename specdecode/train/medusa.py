@@ -17,45 +17,34 @@ Cost on a CPU: the heads' own weights are tiny; the time goes into the shared, f
 (not into). It runs in bfloat16 (float32 master weights), ~5x faster than float32 on CPUs with
 AVX512-BF16/AMX and the usual choice on GPUs. Each step samples positions across the dataset.
 
-Data, features, the loop, checkpoints and `--resume` come from `pipeline` (shared by every
-method's training).
+Data, features, the loop, checkpoints, `--resume`, writing the heads and measuring their τ come
+from `pipeline` (shared by every method's training).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specdecode.drafters.medusa import MedusaDrafter, MedusaHeads, best_tree, load_heads, save_heads
+from specdecode.drafters.medusa import MedusaDrafter, MedusaHeads, load_heads, save_heads
 from specdecode.errors import SpecDecodeError
 from specdecode.train import pipeline
 from specdecode.train.features import Features
-from specdecode.train.pipeline import IGNORE
-
-HEAD_DECAY = 0.8
-MAX_RANK = 10  # ranks tracked for the tree fit; deeper ranks are never worth a node
+from specdecode.train.pipeline import IGNORE, MAX_RANK
 
 
 @dataclass(frozen=True)
 class TrainSettings(pipeline.Common):
     """Everything a run depends on; `specdecode train medusa --help` describes each."""
 
-    FLAGS: ClassVar[dict[str, pipeline.Flag]] = {
-        "num_heads": pipeline.Flag("heads, one per future token", least=1, steps=True),
-        "num_layers": pipeline.Flag("residual blocks per head", least=0, steps=True),
-        "tree_nodes": pipeline.Flag("nodes of the fitted tree", least=1),
-    }
-
-    num_heads: int = 4
-    num_layers: int = 1
-    tree_nodes: int = 32
+    num_heads: int = pipeline.flag(4, "heads, one per future token", least=1, steps=True)
+    num_layers: int = pipeline.flag(1, "residual blocks per head", least=0, steps=True)
+    tree_nodes: int = pipeline.flag(32, "nodes of the fitted tree", least=1)
 
 
 @dataclass
@@ -100,10 +89,6 @@ def positions(features: Features, num_heads: int) -> Positions:
     return Positions(torch.cat(hidden), torch.cat(labels))
 
 
-def head_weights(num_heads: int) -> Tensor:
-    return torch.tensor([HEAD_DECAY**k for k in range(num_heads)])  # (K,)
-
-
 def medusa_loss(logits: Tensor, labels: Tensor) -> Tensor:
     """Weighted cross-entropy of logits (K, B, V) against labels (B, K) -> scalar.
 
@@ -114,24 +99,15 @@ def medusa_loss(logits: Tensor, labels: Tensor) -> Tensor:
     valid = target != IGNORE  # (K, B)
     ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="none")
     per_head = ce.float().view(k, -1).sum(1) / valid.sum(1).clamp(min=1)  # (K,)
-    return (head_weights(k).to(per_head.device) * per_head).sum()
+    return (pipeline.depth_weights(k).to(per_head.device) * per_head).sum()
 
 
-def fit(
-    heads: MedusaHeads,
-    lm_weight: Tensor,
-    data: Positions,
-    settings: TrainSettings,
-    state_file: Path,
-    on_step: Callable[[int], None] | None = None,
-) -> dict[str, float]:
-    """Train `heads` in place on `data`, checkpointing to `state_file`; returns final figures.
-
-    `lm_weight` (C, V) is the target's LM head (`head_weight_t()`) in the compute dtype. Resumes
-    from `state_file` when it exists (the caller decides whether that is wanted); `on_step` and
-    Ctrl-C as in `pipeline.train_loop`. Returns the mean loss and head-0 accuracy of the last 50
-    steps.
-    """
+def objective(
+    heads: MedusaHeads, lm_weight: Tensor, data: Positions, settings: TrainSettings
+) -> pipeline.Objective:
+    """Training `heads` on `data` (`pipeline.train_loop` runs it): `medusa_loss`, and head 0's
+    accuracy as the step's figure ("acc0"). `lm_weight` (C, V) is the target's LM head
+    (`head_weight_t()`) in the compute dtype, frozen."""
     device = lm_weight.device
     lm_weight, _ = pipeline.draft_columns(lm_weight, None)  # all columns, usable by autograd
 
@@ -141,9 +117,7 @@ def fit(
         logits = heads(x, lm_weight)  # (K, B, V)
         return medusa_loss(logits, y), pipeline.top1(logits[0], y[:, 0])
 
-    return pipeline.train_loop(
-        heads, loss_fn, len(data), settings, state_file, on_step, metric="acc0", desc="medusa"
-    )
+    return pipeline.Objective(heads, loss_fn, len(data), settings, metric="acc0", desc="medusa")
 
 
 @torch.no_grad()
@@ -166,7 +140,6 @@ def rank_counts(heads: MedusaHeads, lm_weight: Tensor, data: Positions, chunk: i
 
 def train(settings: TrainSettings) -> dict[str, Any]:
     """The whole pipeline; returns (and writes to OUT/report.json) what it measured."""
-    started = time.perf_counter()
     prep = pipeline.prepare(settings)
     target, out, device = prep.target, prep.out, prep.device
     cfg = target.config
@@ -182,34 +155,26 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     heads = MedusaHeads(settings.num_heads, settings.num_layers, cfg.hidden_size, cfg.vocab_size).to(device)
     lm_weight = target.head_weight_t().detach().to(target.dtype)  # (C, V), frozen
     t0 = time.perf_counter()
-    figures = fit(heads, lm_weight, train_set, settings, out / "cache" / pipeline.STATE)
+    task = objective(heads, lm_weight, train_set, settings)
+    figures = pipeline.train_loop(task, out / "cache" / pipeline.STATE)
     train_s = time.perf_counter() - t0
 
-    counts = rank_counts(heads, lm_weight, held_set)  # (K, MAX_RANK + 1)
-    totals = counts.sum(1).clamp(min=1)  # (K,)
-    rank_probs = (counts[:, :MAX_RANK] / totals[:, None]).tolist()
-    top1 = [round(p[0], 4) for p in rank_probs]
-    top5 = [round(sum(p[:5]), 4) for p in rank_probs]
-    heads.choices = best_tree(rank_probs, settings.tree_nodes)
+    ranks = pipeline.fit_tree(rank_counts(heads, lm_weight, held_set), settings.tree_nodes)
+    heads.choices = ranks.tree
     report: dict[str, Any] = {
-        "heldout_top1": top1,
-        "heldout_top5": top5,
+        "heldout_top1": ranks.top1,
+        "heldout_top5": ranks.top5,
         "heldout_positions": len(held_set),
         "train_positions": len(train_set),
         "train_samples": len(prep.train),
         **pipeline.run_figures(prep, settings, figures, train_s),
     }
-    save_heads(heads, out, target=settings.model, extra={"training": report})
-
     # τ of real decoding with the saved (float16) heads on the float32 target, as users run it.
-    t0 = time.perf_counter()
-    shipped = load_heads(out, torch.float32, device)
-    makers = {"heldout_tau": lambda t: MedusaDrafter(shipped, t)}
-    prompts = pipeline.heldout_tau(prep, settings, report, makers, t0)
-    pipeline.write_report(prep, report, started)
-    save_heads(heads, out, target=settings.model, extra={"training": report})
-    print(f"held-out top-1 accuracy per head: {' '.join(f'{a:.3f}' for a in top1)}")
-    print(f"held-out top-5 accuracy per head: {' '.join(f'{a:.3f}' for a in top5)}")
+    prompts = pipeline.ship(
+        prep, settings, report, heads, save_heads, load_heads, {"heldout_tau": MedusaDrafter}
+    )
+    print(f"held-out top-1 accuracy per head: {' '.join(f'{a:.3f}' for a in ranks.top1)}")
+    print(f"held-out top-5 accuracy per head: {' '.join(f'{a:.3f}' for a in ranks.top5)}")
     print(
         f"held-out τ (greedy Medusa decoding, {prompts} prompts, {settings.eval_tokens} tokens, "
         f"fitted tree of {len(heads.choices)} nodes): {report['heldout_tau']:.3f}"

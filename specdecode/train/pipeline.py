@@ -6,13 +6,15 @@ A method's `train` does three things; the first and the last are here:
    training and held-out conversations, build samples (whole conversations, or only their
    prompts with `self_distill`), and get the target's features for both sets from
    `OUT/cache/{train,heldout}` (computed in batches the first time, `features.extract`).
-2. the method's own positions, module and loss (Medusa, EAGLE, ReDrafter);
-3. `train_loop(...)`: AdamW steps on the method's loss over shuffled batches with a warm-up +
-   cosine schedule, a progress bar, a checkpoint every `save_every` steps and on Ctrl-C, and `--resume`.
+2. the method's own positions, module and loss (Medusa, EAGLE, ReDrafter): its `Objective`;
+3. `train_loop(objective, ...)`: AdamW steps on the objective's loss over shuffled batches with a
+   warm-up + cosine schedule, a progress bar, a checkpoint every `save_every` steps and on Ctrl-C,
+   and `--resume`; then `ship`: the trained drafter written, and its held-out τ measured as users
+   will run it.
 
-Settings: each method's frozen `TrainSettings` dataclass subclasses `Common` with its own fields;
-`add_args` declares the command-line flags (the common ones, then the method's `FLAGS`) and
-`settings_from_args` reads them back into the method's settings.
+Settings: each method's frozen `TrainSettings` dataclass subclasses `Common` with its own fields,
+declared with `flag` where they have a command-line flag; `add_args` declares the flags (the common
+ones, then the method's) and `settings_from_args` reads them back into the method's settings.
 
 Determinism: batches are a function of (seed, epoch, step) and the loop checkpoints whole steps
 only, so a resumed run takes exactly the steps an uninterrupted one would and ends with the same
@@ -30,7 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar, TypeVar
@@ -39,7 +41,9 @@ import torch
 from torch import Tensor, nn
 
 from specdecode.drafters.base import Drafter
+from specdecode.drafters.medusa import best_tree
 from specdecode.errors import SpecDecodeError
+from specdecode.layers import bind_kernels
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.models.transformer import Transformer
 from specdecode.train.data import Conversation, Sample, prompt, read_sharegpt, render, split
@@ -47,7 +51,9 @@ from specdecode.train.features import Features, extract, load_cache
 
 STATE = "train_state.pt"  # the loop's checkpoint, under OUT/cache/
 IGNORE = -100  # a label the cross-entropy skips
+MAX_RANK = 10  # ranks tracked for a tree fit; deeper ranks are never worth a node
 Settings = TypeVar("Settings", bound="Common")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,14 @@ class Flag:
     steps: bool = False  # it shapes the training steps: a checkpoint resumes only under the same value
 
 
+def flag(
+    default: T, help: str, *, least: float | None = None, most: float | None = None, steps: bool = False
+) -> T:
+    """A method's `TrainSettings` field that has a command-line flag: its default, and the flag's
+    help, range and whether it shapes the steps (`Flag`), declared with the field."""
+    return field(default=default, metadata={"flag": Flag(help, least, most, steps)})
+
+
 @dataclass(frozen=True)
 class Common:
     """The settings every training run has (see `add_args` for their meaning); a method's
@@ -69,11 +83,15 @@ class Common:
     common ones and the method's flags marked `steps` (`resume_keys`)."""
 
     STEP_KEYS: ClassVar[tuple[str, ...]] = ("model", "lr", "batch_size", "seed", "dtype")
-    FLAGS: ClassVar[dict[str, Flag]] = {}  # the method's own fields with a command-line flag
+
+    @classmethod
+    def flags(cls) -> dict[str, Flag]:
+        """The method's own fields with a command-line flag (declared with `flag`), in order."""
+        return {f.name: f.metadata["flag"] for f in fields(cls) if "flag" in f.metadata}
 
     @classmethod
     def resume_keys(cls) -> tuple[str, ...]:
-        return (*cls.STEP_KEYS, *(name for name, flag in cls.FLAGS.items() if flag.steps))
+        return (*cls.STEP_KEYS, *(name for name, flag in cls.flags().items() if flag.steps))
 
     data: str
     out: str
@@ -114,6 +132,7 @@ class Prepared:
     heldout: Features
     held_conversations: list[Conversation]
     features_s: float
+    started: float  # when the run began (`time.perf_counter()`)
 
     @property
     def device(self) -> torch.device:
@@ -230,6 +249,7 @@ def prepare(settings: Common) -> Prepared:
         heldout=held_feats,
         held_conversations=held_convs,
         features_s=time.perf_counter() - started,
+        started=started,
     )
 
 
@@ -277,34 +297,42 @@ def fingerprint(settings: Common, keys: Iterable[str], **extra: Any) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
+@dataclass(frozen=True)
+class Objective:
+    """What a method trains (`train_loop` runs it): `module`'s parameters, under `settings`, to
+    lower `loss(indices)` -> (the loss, the step's `metric`, an accuracy) over batches of indices
+    (B,) into its `num_items` training items. `desc` labels the progress bar; `clip_norm`, when
+    given, bounds the gradient norm."""
+
+    module: nn.Module
+    loss: Callable[[Tensor], tuple[Tensor, float]]
+    num_items: int
+    settings: Common
+    metric: str
+    desc: str
+    clip_norm: float | None = None
+
+
 def train_loop(
-    module: nn.Module,
-    loss_fn: Callable[[Tensor], tuple[Tensor, float]],
-    num_items: int,
-    settings: Common,
-    state_file: Path,
-    on_step: Callable[[int], None] | None = None,
-    *,
-    metric: str,
-    desc: str,
-    clip_norm: float | None = None,
+    objective: Objective, state_file: Path, on_step: Callable[[int], None] | None = None
 ) -> dict[str, float]:
-    """Train `module` with AdamW for `total_steps(settings, num_items)` steps, resumably; returns
-    `{"loss": ..., metric: ...}`, the means over the last 50 steps.
+    """Train the objective's module in place with AdamW for `total_steps(settings, num_items)`
+    steps, resumably; returns `{"loss": ..., metric: ...}`, the means over the last 50 steps.
 
     Each step draws the next batch of item indices (B,) from a seeded per-epoch permutation of
-    `num_items`, sets the learning rate (`learning_rate`), calls `loss_fn(indices)` for the loss
-    and the step's `metric` (an accuracy), back-propagates (clipping the gradient norm to
-    `clip_norm` when given) and steps the optimizer. `module` and the optimizer are restored from
-    `state_file` when it exists (it must come from the same `settings.resume_keys()` and data) and saved to
-    it every `save_every` steps, at the end, and on Ctrl-C (which ends the run after the step
-    under way, so a checkpoint never holds half-updated weights; a second Ctrl-C interrupts at
-    once). `on_step(step)` runs after each step; an exception from it saves first too.
-    """
+    `num_items`, sets the learning rate (`learning_rate`), calls `objective.loss(indices)` for
+    the loss and the step's metric, back-propagates (clipping the gradient norm to `clip_norm`
+    when given) and steps the optimizer. `module` and the optimizer are restored from
+    `state_file` when it exists (it must come from the same `settings.resume_keys()` and data)
+    and saved to it every `save_every` steps, at the end, and on Ctrl-C (which ends the run after
+    the step under way, so a checkpoint never holds half-updated weights; a second Ctrl-C
+    interrupts at once). `on_step(step)` runs after each step; an exception from it saves first
+    too."""
     from tqdm import tqdm
 
     from specdecode.models.cache import atomic_file
 
+    module, settings, num_items = objective.module, objective.settings, objective.num_items
     steps_per_epoch = math.ceil(num_items / settings.batch_size)
     total = total_steps(settings, num_items)
     optimizer = torch.optim.AdamW(module.parameters(), lr=settings.lr, weight_decay=0.0)
@@ -312,15 +340,15 @@ def train_loop(
     losses, metrics = RecentMean(), RecentMean()
 
     def step_fn(idx: Tensor) -> dict[str, float]:
-        loss, value = loss_fn(idx)
+        loss, value = objective.loss(idx)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(module.parameters(), clip_norm)
+        if objective.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), objective.clip_norm)
         optimizer.step()
         losses.add(float(loss.detach()))
         metrics.add(value)
-        return {"loss": losses.values[-1], metric: value}
+        return {"loss": losses.values[-1], objective.metric: value}
 
     step = 0
     if state_file.is_file():
@@ -355,7 +383,7 @@ def train_loop(
     previous = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
     module.train()
     epoch_order = (-1, torch.empty(0, dtype=torch.long))
-    bar = tqdm(total=total, initial=step, desc=desc, unit="step", disable=not settings.progress)
+    bar = tqdm(total=total, initial=step, desc=objective.desc, unit="step", disable=not settings.progress)
     try:
         while step < total:
             epoch, i = divmod(step, steps_per_epoch)
@@ -384,7 +412,7 @@ def train_loop(
         module.eval()
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
-    return {"loss": losses.mean, metric: metrics.mean}
+    return {"loss": losses.mean, objective.metric: metrics.mean}
 
 
 def measure_tau(
@@ -415,24 +443,60 @@ def measure_tau(
     return tokens / max(forwards, 1)
 
 
-def heldout_tau(
+def ship(
     prep: Prepared,
     settings: Common,
     report: dict[str, Any],
-    drafters: dict[str, Callable[[Transformer], Drafter]],
-    since: float,
+    trained: nn.Module,
+    save: Callable[..., Path],
+    load: Callable[[Path, torch.dtype, torch.device], nn.Module],
+    drafters: dict[str, Callable[[Any, Transformer], Drafter]],
+    since: float | None = None,
 ) -> int:
-    """τ of real greedy decoding on the float32 target (as users run it) over the held-out prompts,
-    for each named drafter maker, into `report` (with the prompt count and the evaluation's time
-    from `since`), which is then written. Returns the number of prompts."""
+    """The end of every run: write `trained` to OUT (`save`, with `report` as its training
+    record) and measure τ of real greedy decoding over the held-out prompts for each of
+    `drafters` (report key: maker of a drafter from the head and the target) as users run it:
+    the head `load`ed back from what was written, in float32, with the float32 target's kernels
+    bound, on that target. Then `report` (with the τ, the prompt count and the evaluation's time
+    from `since`, default now) is written (`write_report`) and saved with the head again.
+    Returns the number of prompts."""
+    save(trained, prep.out, target=settings.model, extra={"training": report})
+    since = time.perf_counter() if since is None else since
     target = prep.eval_target()
+    shipped = load(prep.out, torch.float32, target.device)
+    bind_kernels(shipped, target.kernels)
     chosen = prep.eval_prompts(settings)
     eos = prep.tokenizer.eos_token_ids
     for name, make in drafters.items():
-        tau = measure_tau(target, lambda make=make: make(target), chosen, settings.eval_tokens, eos)
+        tau = measure_tau(target, lambda make=make: make(shipped, target), chosen, settings.eval_tokens, eos)
         report[name] = round(tau, 3)
     report.update(tau_prompts=len(chosen), eval_s=round(time.perf_counter() - since, 1))
+    write_report(prep, report)
+    save(trained, prep.out, target=settings.model, extra={"training": report})
     return len(chosen)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Held-out top-1 and top-5 accuracy per depth (a Medusa head, an EAGLE drafting step),
+    rounded for the report, and the static tree fitted to the ranks (`best_tree`)."""
+
+    top1: list[float]  # (D,)
+    top5: list[float]  # (D,)
+    tree: list[list[int]]
+
+
+def fit_tree(counts: Tensor, tree_nodes: int) -> Ranks:
+    """From (D, MAX_RANK + 1) counts ([d, r]: positions where the right token at depth d+1 is the
+    drafter's r-th guess; [d, MAX_RANK]: lower), the accuracies and the best tree of
+    `tree_nodes` nodes."""
+    totals = counts.sum(1).clamp(min=1)  # (D,)
+    rank_probs = (counts[:, :MAX_RANK] / totals[:, None]).tolist()
+    return Ranks(
+        top1=[round(p[0], 4) for p in rank_probs],
+        top5=[round(sum(p[:5]), 4) for p in rank_probs],
+        tree=best_tree(rank_probs, tree_nodes),
+    )
 
 
 def run_figures(
@@ -449,19 +513,25 @@ def run_figures(
     }
 
 
-def write_report(prep: Prepared, report: dict[str, Any], started: float) -> None:
+def write_report(prep: Prepared, report: dict[str, Any]) -> None:
     """Add the run's total time to `report` and write it to OUT/report.json."""
-    report["total_s"] = round(time.perf_counter() - started, 1)
+    report["total_s"] = round(time.perf_counter() - prep.started, 1)
     (prep.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
 
 
 def print_done(prep: Prepared, report: dict[str, Any], train_s: float, what: str) -> None:
-    """A run's last lines: where its time went (after `write_report`, which measures the total)
+    """A run's last lines: where its time went (after `ship`, which measures the total)
     and where `what` (the trained drafter) was written."""
     print(
         f"time: features {prep.features_s:.0f} s, training {train_s:.0f} s, total {report['total_s']:.0f} s"
     )
     print(f"{what} written to {prep.out}")
+
+
+def depth_weights(depth: int, decay: float = 0.8) -> Tensor:
+    """(depth,) loss weights decay^k of the guesses k = 0.. a drafter makes ahead (Medusa's heads,
+    ReDrafter's steps): a later guess only counts when the earlier ones were right."""
+    return torch.tensor([decay**k for k in range(depth)])
 
 
 def top1(logits: Tensor, labels: Tensor) -> float:
@@ -494,7 +564,7 @@ class RecentMean:
 
 def add_args(p: argparse.ArgumentParser, settings: type[Common]) -> None:
     """The flags of `specdecode train METHOD`: those every method takes, then the method's own
-    (`settings.FLAGS`), with the defaults of its `settings` class."""
+    (`settings.flags()`), with the defaults of its `settings` class."""
     d = settings(data="", out="")
     p.add_argument("--model", default=d.model, help="target: short name, .gguf file or HF directory")
     p.add_argument("--data", required=True, help="ShareGPT JSON file (a cut-off file is fine)")
@@ -540,7 +610,7 @@ def add_args(p: argparse.ArgumentParser, settings: type[Common]) -> None:
     p.add_argument("--feature-batch-size", type=int, default=d.feature_batch_size)
     p.add_argument("--eval-prompts", type=int, default=d.eval_prompts, help="held-out prompts for τ")
     p.add_argument("--eval-tokens", type=int, default=d.eval_tokens, help="tokens per τ prompt")
-    for name, flag in settings.FLAGS.items():
+    for name, flag in settings.flags().items():
         default = getattr(d, name)
         kind = str if default is None else type(default)
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default, help=flag.help)
@@ -556,7 +626,7 @@ def settings_from_args(cls: type[Settings], args: argparse.Namespace) -> Setting
             raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.skip_conversations < 0:
         raise SpecDecodeError(f"--skip-conversations must be >= 0, got {args.skip_conversations}")
-    for name, flag in cls.FLAGS.items():
+    for name, flag in cls.flags().items():
         value = getattr(args, name)
         if value is None or isinstance(value, str):
             continue

@@ -2,10 +2,11 @@
 
     specdecode train redrafter --model smollm2-135m --data sharegpt.json --out runs/redrafter --self-distill
 
-Pipeline as for Medusa (`train/medusa.py`): ShareGPT conversations -> the target's hidden states
-over the answers, or over its own greedy answers with `--self-distill` (cached under OUT/cache)
--> the drafter trained with AdamW -> OUT/redrafter.safetensors + OUT/config.json -> held-out
-figures: per-position top-1 accuracy (teacher-forced) and τ of real greedy ReDrafter decoding.
+Pipeline as for Medusa (`train/medusa.py`; all but the positions, drafter and loss come from
+`pipeline`): ShareGPT conversations -> the target's hidden states over the answers, or over its
+own greedy answers with `--self-distill` (cached under OUT/cache) -> the drafter trained with
+AdamW -> OUT/redrafter.safetensors + OUT/config.json -> held-out figures: per-position top-1
+accuracy (teacher-forced) and τ of real greedy ReDrafter decoding.
 
 Loss, at a position t whose state h_t produced the token x_{t+1} (the root when decoding): the
 recurrent state is fed x_{t+1}, x_{t+2}, ... (the true tokens: teacher forcing, as beam search
@@ -21,18 +22,13 @@ the logits are the head's K columns, as in drafting, and a label outside them is
 
 Cost on a CPU: the time goes into the shared, frozen LM head (its K drafted columns) over D rows
 per position (forward and backward through it), in bfloat16 as for Medusa.
-
-Data, features, the loop, checkpoints and `--resume` come from `pipeline` (shared by every
-method's training).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,28 +40,18 @@ from specdecode.train import pipeline
 from specdecode.train.features import Features
 from specdecode.train.pipeline import IGNORE
 
-DEPTH_DECAY = 0.8
-
 
 @dataclass(frozen=True)
 class TrainSettings(pipeline.Common):
     """Everything a run depends on; `specdecode train redrafter --help` describes each."""
 
-    FLAGS: ClassVar[dict[str, pipeline.Flag]] = {
-        "num_layers": pipeline.Flag("residual blocks", least=0, steps=True),
-        "depth": pipeline.Flag("tokens predicted per position (beam_length - 1)", least=1, steps=True),
-        "distill": pipeline.Flag(
-            "weight in [0, 1] of the target's soft targets", least=0, most=1, steps=True
-        ),
-        "beam_width": pipeline.Flag("beams for the held-out τ", least=1),
-        "draft_vocab": pipeline.Flag("tokens it may draft, most frequent (0: all)", least=0, steps=True),
-    }
-
-    num_layers: int = 2
-    depth: int = 4
-    distill: float = 0.0
-    beam_width: int = 4
-    draft_vocab: int = 8192
+    num_layers: int = pipeline.flag(2, "residual blocks", least=0, steps=True)
+    depth: int = pipeline.flag(4, "tokens predicted per position (beam_length - 1)", least=1, steps=True)
+    distill: float = pipeline.flag(
+        0.0, "weight in [0, 1] of the target's soft targets", least=0, most=1, steps=True
+    )
+    beam_width: int = pipeline.flag(4, "beams for the held-out τ", least=1)
+    draft_vocab: int = pipeline.flag(8192, "tokens it may draft, most frequent (0: all)", least=0, steps=True)
 
 
 @dataclass
@@ -148,10 +134,6 @@ def coverage(features: Features, vocab: Tensor) -> float:
     return hits / max(sum(int(mask.sum()) for mask in features.mask), 1)
 
 
-def depth_weights(depth: int) -> Tensor:
-    return torch.tensor([DEPTH_DECAY**k for k in range(depth)])  # (D,)
-
-
 def redrafter_loss(
     logits: Tensor, labels: Tensor, soft: Tensor | None = None, distill: float = 0.0
 ) -> Tensor:
@@ -165,22 +147,15 @@ def redrafter_loss(
         soft_ce = -(soft * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # (B, D)
         per_token = (1 - distill) * per_token + distill * torch.where(valid, soft_ce, 0.0)
     per_depth = per_token.sum(0) / valid.sum(0).clamp(min=1)  # (D,)
-    return (depth_weights(d).to(per_depth.device) * per_depth).sum()
+    return (pipeline.depth_weights(d).to(per_depth.device) * per_depth).sum()
 
 
-def fit(
-    head: ReDrafterHead,
-    embedding: Tensor,
-    lm_weight: Tensor,
-    data: Positions,
-    settings: TrainSettings,
-    state_file: Path,
-    on_step: Callable[[int], None] | None = None,
-) -> dict[str, float]:
-    """Train `head` in place on `data`, checkpointing to `state_file` (resumed when it exists;
-    `on_step` and Ctrl-C as in `pipeline.train_loop`). `embedding` (V, C) and `lm_weight` (C, V) are the
-    target's, frozen, `lm_weight` in the compute dtype. Returns the mean loss and depth-1
-    accuracy of the last 50 steps."""
+def objective(
+    head: ReDrafterHead, embedding: Tensor, lm_weight: Tensor, data: Positions, settings: TrainSettings
+) -> pipeline.Objective:
+    """Training `head` on `data` (`pipeline.train_loop` runs it): `redrafter_loss` (with
+    `settings.distill`), and depth 1's accuracy as the step's figure ("acc1"). `embedding` (V, C)
+    and `lm_weight` (C, V) are the target's, frozen, `lm_weight` in the compute dtype."""
     device = lm_weight.device
     lm_weight, column = pipeline.draft_columns(lm_weight, head.draft_vocab if head.lm_head is None else None)
     embedding = embedding.detach().float()
@@ -203,9 +178,7 @@ def fit(
         loss = redrafter_loss(logits, labels, soft, settings.distill)
         return loss, pipeline.top1(logits[:, 0], labels[:, 0])
 
-    return pipeline.train_loop(
-        head, loss_fn, len(data), settings, state_file, on_step, metric="acc1", desc="redrafter"
-    )
+    return pipeline.Objective(head, loss_fn, len(data), settings, metric="acc1", desc="redrafter")
 
 
 @torch.no_grad()
@@ -233,7 +206,6 @@ def top1_by_depth(
 
 def train(settings: TrainSettings) -> dict[str, Any]:
     """The whole pipeline; returns (and writes to OUT/report.json) what it measured."""
-    started = time.perf_counter()
     prep = pipeline.prepare(settings)
     target, out, device = prep.target, prep.out, prep.device
     cfg = target.config
@@ -253,7 +225,8 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         head.draft_vocab = draft_vocabulary(prep.train, settings.draft_vocab, cfg.vocab_size).to(device)
         vocab_share = coverage(prep.heldout, head.draft_vocab.cpu())
     t0 = time.perf_counter()
-    figures = fit(head, embedding, lm_weight, train_set, settings, out / "cache" / pipeline.STATE)
+    task = objective(head, embedding, lm_weight, train_set, settings)
+    figures = pipeline.train_loop(task, out / "cache" / pipeline.STATE)
     train_s = time.perf_counter() - t0
 
     top1 = [round(a, 4) for a in top1_by_depth(head, embedding, lm_weight, held_set)]
@@ -266,15 +239,9 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         "train_samples": len(prep.train),
         **pipeline.run_figures(prep, settings, figures, train_s),
     }
-    save_head(head, out, target=settings.model, extra={"training": report})
-
     # τ of real decoding with the saved (float16) drafter on the float32 target, as users run it.
-    t0 = time.perf_counter()
-    shipped = load_head(out, torch.float32, device)
-    makers = {"heldout_tau": lambda t: ReDrafter(shipped, t, settings.beam_width, beam_length)}
-    prompts = pipeline.heldout_tau(prep, settings, report, makers, t0)
-    pipeline.write_report(prep, report, started)
-    save_head(head, out, target=settings.model, extra={"training": report})
+    makers = {"heldout_tau": lambda h, t: ReDrafter(h, t, settings.beam_width, beam_length)}
+    prompts = pipeline.ship(prep, settings, report, head, save_head, load_head, makers)
     print(f"held-out top-1 accuracy per depth (teacher-forced): {' '.join(f'{a:.3f}' for a in top1)}")
     size = head.draft_vocab.numel() or cfg.vocab_size
     print(f"draft vocabulary: {size} tokens, {vocab_share:.1%} of the held-out answers' tokens")
