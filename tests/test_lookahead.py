@@ -37,6 +37,7 @@ from specdecode.tree import DraftTree
 from specdecode.verify import Verdict
 from tests.alone import alone, prefill
 from tests.stats import chi_square_sf
+from tests.tiny import hf_sizes, load_tiny_hf
 
 PROMPTS = [
     [1, 5, 9, 13, 20],
@@ -312,30 +313,8 @@ SAMPLE_CONFIG = LookaheadConfig(3, 4, 3)
 
 
 def _make_small_model(out: Path) -> Transformer:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(3)
-    config = AutoConfig.for_model(
-        model_type="llama",
-        vocab_size=SMALL_VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.3)
-    hf.save_pretrained(out, safe_serialization=True)
-    return Transformer.from_dir(out)
+    sizes = hf_sizes(vocab=SMALL_VOCAB, hidden=32, layers=1, context=64)
+    return load_tiny_hf(out, seed=3, std=0.3, sizes=sizes)
 
 
 def exact_law(model: Transformer, prompt: list[int], params: SamplingParams) -> dict[tuple[int, ...], float]:

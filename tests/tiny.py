@@ -14,25 +14,28 @@ from specdecode.models.transformer import Transformer
 
 M = TypeVar("M", bound=nn.Module)
 
-# Both architectures share the sizes: the differences are the ones each family's real configs have.
-_SIZES = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+
+def hf_sizes(vocab: int = 96, hidden: int = 64, layers: int = 2, context: int = 256) -> dict[str, int]:
+    """A tiny model's sizes, as transformers configs name them: heads of 16 channels, two query
+    heads per key/value head, an MLP twice as wide as the model; ids 1 and 2 are BOS and EOS."""
+    return dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 16,
+        num_key_value_heads=hidden // 32,
+        max_position_embeddings=context,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+# Both architectures share the sizes (`hf_sizes`): the differences are the ones each family's real
+# configs have.
 TINY = {
-    "llama": dict(
-        _SIZES, model_type="llama", rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True
-    ),
-    "qwen2": dict(
-        _SIZES, model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False
-    ),
+    "llama": dict(model_type="llama", rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True),
+    "qwen2": dict(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False),
 }
 
 
@@ -49,26 +52,28 @@ def randomized(make: Callable[[], M], seed: int, std: float, matrices_only: bool
     return module.eval()
 
 
-def make_tiny_hf(arch: str, out: Path, seed: int = 0):
-    """Write a random tiny HF model of `arch` to `out` and return the transformers model."""
+def make_tiny_hf(arch: str, out: Path, seed: int = 0, std: float = 0.2, sizes: dict[str, int] | None = None):
+    """Write a random tiny HF model of `arch` (`sizes`: `hf_sizes()` unless given) to `out` and
+    return the transformers model; its matrices and biases are drawn from N(0, std^2)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    spec = dict(TINY[arch])
-    config = AutoConfig.for_model(**spec)
+    config = AutoConfig.for_model(**TINY[arch], **(sizes or hf_sizes()))
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     with torch.no_grad():  # larger weights than the default init so the logits are far from uniform
         for name, p in model.named_parameters():
             if p.dim() == 2 or name.endswith("bias"):
-                p.normal_(0, 0.2)
+                p.normal_(0, std)
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
     return model
 
 
-def load_tiny_hf(out: Path, arch: str = "llama", seed: int = 0) -> Transformer:
+def load_tiny_hf(
+    out: Path, arch: str = "llama", seed: int = 0, std: float = 0.2, sizes: dict[str, int] | None = None
+) -> Transformer:
     """`make_tiny_hf`'s model, written to `out` and loaded as ours."""
-    make_tiny_hf(arch, out, seed)
+    make_tiny_hf(arch, out, seed, std, sizes)
     return Transformer.from_dir(out)
 
 
