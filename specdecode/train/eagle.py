@@ -321,9 +321,6 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         "train_top1": round(figures["acc"], 4) if math.isfinite(figures["acc"]) else None,
         **pipeline.run_figures(prep, settings, figures, train_s),
     }
-    # τ of real decoding with the saved (float16) head on the float32 target, as users run it.
-    makers = {"heldout_tau_eagle": EagleDrafter.static, "heldout_tau_eagle2": EagleDrafter.dynamic}
-    prompts = pipeline.ship(prep, settings, report, head, save_head, load_head, makers, since=t0)
     print(
         f"held-out top-1 accuracy of the drafted token by depth: {' '.join(f'{a:.3f}' for a in ranks.top1)}"
     )
@@ -333,6 +330,9 @@ def train(settings: TrainSettings) -> dict[str, Any]:
             f"draft vocabulary: {head.draft_vocab.numel()} ids, holding "
             f"{report['draft_vocab_heldout_coverage']:.3f} of the held-out answer tokens"
         )
+    # τ of real decoding with the saved (float16) head on the float32 target, as users run it.
+    makers = {"heldout_tau_eagle": EagleDrafter.static, "heldout_tau_eagle2": EagleDrafter.dynamic}
+    prompts = pipeline.ship(prep, settings, report, head, save_head, load_head, makers, since=t0)
     print(
         f"held-out τ (greedy decoding, {prompts} prompts, {settings.eval_tokens} tokens): EAGLE-1 "
         f"(fitted tree of {len(head.choices)} nodes) {report['heldout_tau_eagle']:.3f}, "

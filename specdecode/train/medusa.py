@@ -169,12 +169,12 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         "train_samples": len(prep.train),
         **pipeline.run_figures(prep, settings, figures, train_s),
     }
+    print(f"held-out top-1 accuracy per head: {' '.join(f'{a:.3f}' for a in ranks.top1)}")
+    print(f"held-out top-5 accuracy per head: {' '.join(f'{a:.3f}' for a in ranks.top5)}")
     # τ of real decoding with the saved (float16) heads on the float32 target, as users run it.
     prompts = pipeline.ship(
         prep, settings, report, heads, save_heads, load_heads, {"heldout_tau": MedusaDrafter}
     )
-    print(f"held-out top-1 accuracy per head: {' '.join(f'{a:.3f}' for a in ranks.top1)}")
-    print(f"held-out top-5 accuracy per head: {' '.join(f'{a:.3f}' for a in ranks.top5)}")
     print(
         f"held-out τ (greedy Medusa decoding, {prompts} prompts, {settings.eval_tokens} tokens, "
         f"fitted tree of {len(heads.choices)} nodes): {report['heldout_tau']:.3f}"

@@ -239,12 +239,12 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         "train_samples": len(prep.train),
         **pipeline.run_figures(prep, settings, figures, train_s),
     }
-    # τ of real decoding with the saved (float16) drafter on the float32 target, as users run it.
-    makers = {"heldout_tau": lambda h, t: ReDrafter(h, t, settings.beam_width, beam_length)}
-    prompts = pipeline.ship(prep, settings, report, head, save_head, load_head, makers)
     print(f"held-out top-1 accuracy per depth (teacher-forced): {' '.join(f'{a:.3f}' for a in top1)}")
     size = head.draft_vocab.numel() or cfg.vocab_size
     print(f"draft vocabulary: {size} tokens, {vocab_share:.1%} of the held-out answers' tokens")
+    # τ of real decoding with the saved (float16) drafter on the float32 target, as users run it.
+    makers = {"heldout_tau": lambda h, t: ReDrafter(h, t, settings.beam_width, beam_length)}
+    prompts = pipeline.ship(prep, settings, report, head, save_head, load_head, makers)
     print(
         f"held-out τ (greedy ReDrafter decoding, {prompts} prompts, {settings.eval_tokens} tokens, "
         f"beam_width {settings.beam_width}, beam_length {beam_length}): {report['heldout_tau']:.3f}"
