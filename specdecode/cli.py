@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from specdecode.errors import SpecDecodeError
 
 if TYPE_CHECKING:  # the heavy imports (torch) wait until a command needs them
+    from specdecode.engine.config import EngineConfig
     from specdecode.sampling import SamplingParams
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -300,6 +301,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         policy=args.policy,
         speculative=args.speculative,
     )
+    scale_out = (args.replicas, args.min_replicas, args.max_replicas, args.ray_address) != (None,) * 4
+    if scale_out:
+        _serve_on_ray(args, config)
+        return
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
@@ -308,6 +313,30 @@ def cmd_serve(args: argparse.Namespace) -> None:
         num_threads=args.threads,
     )
     serve(llm, config, host=args.host, port=args.port, api_key=args.api_key)
+
+
+def _serve_on_ray(args: argparse.Namespace, config: EngineConfig) -> None:
+    """`serve --replicas`: the engine as Ray Serve replicas behind one ingress."""
+    try:
+        from specdecode.distributed import serve as ray_serve
+    except ImportError as exc:
+        raise SpecDecodeError(
+            f"--replicas needs Ray Serve ({exc.name} is missing): pip install 'specdecode[ray]'"
+        ) from None
+    gpus = 1.0 if (args.device or "").startswith("cuda") else 0.0
+    settings = ray_serve.ServeSettings(
+        model=args.model,
+        engine=config,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads or 1,
+        gpus=gpus,
+        replicas=args.replicas or args.min_replicas or 1,
+        min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas,
+        api_key=args.api_key,
+    )
+    ray_serve.run(settings, args.host, args.port, args.ray_address)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -339,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         "bench-offline": ("offline", "LLM.generate throughput: many prompts in one call vs one call each"),
         "bench-peer": ("peer", "specdecode against llama.cpp on the same GGUF (needs the [peer] extra)"),
+        "bench-scale": (
+            "scale",
+            "Ray Serve replicas behind the ingress vs one server, over HTTP ([ray] extra)",
+        ),
     }
     for command, (name, about) in benchmarks.items():
         module = f"specdecode.bench.{name}"
@@ -359,6 +392,17 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+    ray_args = srv.add_argument_group("scale-out on Ray Serve (the [ray] extra)")
+    ray_args.add_argument(
+        "--replicas", type=_positive_int, default=None, help="engine replicas (--threads each)"
+    )
+    ray_args.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas")
+    ray_args.add_argument(
+        "--max-replicas", type=_positive_int, default=None, help="autoscaling: most replicas"
+    )
+    ray_args.add_argument(
+        "--ray-address", default=None, help="a running Ray cluster (default: start one here)"
+    )
     srv.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
     srv.add_argument(
         "--kv-cache-memory",
