@@ -64,18 +64,19 @@ def _lookahead(text: str) -> tuple[int, int, int]:
     return w, n, g
 
 
-def _choices_json(text: str) -> list[list[int]]:
+def _json_arg(text: str, kinds: type | tuple[type, ...], expected: str) -> object:
+    """`text` parsed as JSON of one of `kinds`, else an argparse error saying what was expected."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
-        raise argparse.ArgumentTypeError(
-            f"expected a JSON list of lists such as [[0],[0,0],[1]], got {text!r}"
-        ) from None
-    if not isinstance(value, list):
-        raise argparse.ArgumentTypeError(
-            f"expected a JSON list of lists such as [[0],[0,0],[1]], got {text!r}"
-        )
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not isinstance(value, kinds):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def _choices_json(text: str) -> list[list[int]]:
+    return _json_arg(text, list, "a JSON list of lists such as [[0],[0,0],[1]]")  # type: ignore[return-value]
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
@@ -258,15 +259,8 @@ def _train_of(method: str) -> Callable[[argparse.Namespace], None]:
 
 
 def _speculative_json(text: str) -> dict[str, object] | None:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        raise argparse.ArgumentTypeError(
-            f'expected JSON such as {{"method": "prompt_lookup"}}, got {text!r}'
-        ) from None
-    if value is not None and not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object or null, got {text!r}")
-    return value
+    expected = 'JSON such as {"method": "prompt_lookup"} (an object, or null)'
+    return _json_arg(text, (dict, type(None)), expected)  # type: ignore[return-value]
 
 
 MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9}

@@ -43,6 +43,33 @@ def kill_replica(name: str) -> None:
     raise AssertionError(f"no replica actor named {name}")
 
 
+def test_closing_a_stream_in_the_ingress_aborts_the_request_on_its_replica(service: str) -> None:
+    """What the ingress does when its client leaves (`RemoteStream.aclose`), driven through the
+    replicas' handle: the request is aborted on the replica holding it, and its blocks freed."""
+    import asyncio
+
+    from ray import serve as ray_serve
+
+    from specdecode.distributed.serve import APP_NAME, ReplicaClient
+    from specdecode.engine.llm_engine import EngineRequest
+    from specdecode.sampling import SamplingParams
+
+    def handle(name: str):
+        return ray_serve.get_deployment_handle(name, app_name=APP_NAME)
+
+    async def leave_after_one_delta() -> None:
+        replicas = ReplicaClient(handle("EngineReplica"), handle("MetricsBoard"))
+        params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+        stream = await replicas.generate(EngineRequest("leaver", [1, 2, 3, 4, 5], params, None))
+        await anext(aiter(stream))
+        await stream.aclose()
+
+    asyncio.run(leave_after_one_delta())
+    aborted = reported(service, "specdecode_requests_aborted_total", lambda f: sum(f.values()) == 1)
+    used = reported(service, "specdecode_kv_blocks_used", lambda f: len(f) == 2 and not any(f.values()))
+    assert set(aborted) == set(used)
+
+
 def test_a_killed_replica_fails_its_request_and_the_service_goes_on(service: str) -> None:
     api = openai.OpenAI(base_url=service + "/v1", api_key="unused", max_retries=0, timeout=120)
     outcome: dict[str, object] = {}

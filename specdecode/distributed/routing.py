@@ -3,10 +3,12 @@
 Each replica's engine reuses the KV blocks of prompt prefixes it has seen (`BlockPool`), but only
 its own. `PrefixTable` remembers, per replica, the chained hashes of the full prompt blocks it
 was sent (most recent first out when a replica's table is full), and `choose` sends a request to
-the replica that was sent the longest run of its leading blocks: the next turn of a conversation
-(whose prompt starts with the previous turn's) or a prompt sharing a system prompt. When no
-replica holds a leading block, or the one that does is busier than the least busy by more than
-`imbalance` requests, the least busy replica gets it, so reuse never piles load on one replica.
+the replica that was sent the longest run of its leading blocks, when that run is at least half
+of the prompt's blocks: the next turn of a conversation (whose prompt starts with the previous
+turn's), a long shared document. A short shared prefix (a chat template's system prompt, which
+every request of a model starts with) is not worth a queue: otherwise, and when the replica
+holding the prefix is busier than the least busy by more than `imbalance` requests, the least
+busy replica gets the request, so reuse never piles load on one replica.
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ def choose(
     imbalance: int,
 ) -> list[list[int]]:
     """Ranks of indices into `replicas`, most preferred first: the replica holding the longest
-    prefix (when it exists and is not too busy), then the rest by load (`load[i]`: its queue
-    length, None when unknown, taken as idle)."""
+    prefix (when it covers half of `hashes` or more and the replica is not too busy), then the
+    rest by load (`load[i]`: its queue length, None when unknown, taken as idle)."""
     loads = [0 if n is None else n for n in load]
     shuffled = random.sample(range(len(replicas)), len(replicas))  # equal loads: a random order
     by_load = sorted(shuffled, key=lambda i: loads[i])
@@ -73,6 +75,7 @@ def choose(
         return []
     matched = [table.matched(r, hashes) for r in replicas]
     best = max(range(len(replicas)), key=lambda i: (matched[i], -loads[i]))
-    if matched[best] > 0 and loads[best] - loads[by_load[0]] <= imbalance:
+    worth_it = matched[best] > 0 and 2 * matched[best] >= len(hashes)
+    if worth_it and loads[best] - loads[by_load[0]] <= imbalance:
         return [[best], [i for i in by_load if i != best]]
     return [by_load[:2], by_load[2:]] if len(by_load) > 2 else [by_load]

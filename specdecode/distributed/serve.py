@@ -7,19 +7,22 @@ The application is three deployments:
 
 - `EngineReplica` (`--replicas` of them, or autoscaled between `--min-replicas` and
   `--max-replicas`): one `LLM` and its engine on a thread (`AsyncEngine`), with the CPUs (or GPU)
-  Ray reserves for it. `generate` streams one request's deltas; every second it reports its
-  counters to the board.
+  Ray reserves for it. `generate` streams one request's deltas; every half second it reports its
+  counters to the board and takes the aborts the board holds for it.
 - `Ingress` (one): the very FastAPI application of `specdecode serve` (`create_app`), over a
   `ReplicaClient` that sends each engine request to a replica through a deployment handle. It
   loads the tokenizer, not the weights.
 - `MetricsBoard` (one): the replicas' latest counters, which the ingress's `/metrics` renders
-  labelled by replica.
+  labelled by replica, and the aborts the ingress asks of each replica.
 
 Requests reach replicas through `PrefixRouter` (a Ray Serve request router over
 `routing.choose`): the replica that was sent the longest prefix of the prompt's KV blocks, else the
 least busy. A replica that dies is replaced by Ray Serve; the requests it was running end with a
-503 error (`EngineStopped`), never a hang. A client that leaves cancels the replica's generator,
-which aborts the request there and frees its blocks.
+503 error (`EngineStopped`), never a hang. A stream the ingress closes early (a stop string, a
+failed choice) has its request aborted on the replica that holds it (named by the stream's first
+item), freeing its blocks: through the board, because cancelling a Ray Serve streaming response
+does not reach the replica's generator. A client's HTTP disconnect does not reach the ingress
+through Ray Serve's proxy yet, so such a request runs to its end.
 """
 
 from __future__ import annotations
@@ -45,11 +48,11 @@ from specdecode.engine.llm_engine import EngineRequest, EngineStats, RequestDelt
 from specdecode.errors import SpecDecodeError
 from specdecode.llm import LLM
 from specdecode.models.loader import resolve_model
-from specdecode.serving.async_engine import AsyncEngine, EngineStopped
+from specdecode.serving.async_engine import AsyncEngine, DeltaStream, EngineStopped
 from specdecode.serving.server import Frontend, create_app
 
 APP_NAME = "specdecode"
-REPORT_S = 1.0  # how often a replica sends its counters to the board
+REPORT_S = 0.5  # how often a replica sends its counters to the board (and takes its aborts)
 STALE_S = 15.0  # a replica silent this long is left out of /metrics (it died)
 # Environment the replicas need from the launching process (model cache, kernel choice).
 FORWARDED_ENV = ("SPECDECODE_", "HF_", "OMP_")
@@ -106,13 +109,19 @@ class ServeSettings:
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 class MetricsBoard:
-    """The latest counters each replica reported, by replica name."""
+    """The latest counters each replica reported, by replica name; the aborts asked of each."""
 
     def __init__(self) -> None:
         self.reports: dict[str, tuple[float, EngineStats]] = {}
+        self.aborts: dict[str, list[str]] = {}
 
-    def report(self, replica: str, stats: EngineStats) -> None:
+    def report(self, replica: str, stats: EngineStats) -> list[str]:
+        """Keep `stats`; return the request ids `replica` is to abort."""
         self.reports[replica] = (time.monotonic(), stats)
+        return self.aborts.pop(replica, [])
+
+    def abort(self, replica: str, request_id: str) -> None:
+        self.aborts.setdefault(replica, []).append(request_id)
 
     def snapshot(self) -> dict[str, EngineStats]:
         now = time.monotonic()
@@ -122,8 +131,9 @@ class MetricsBoard:
 
 @serve.deployment
 class EngineReplica:
-    """One engine. `generate` yields None once the engine accepted the request (so bad input
-    fails before any delta), then the request's deltas."""
+    """One engine. `generate` yields the replica's name once the engine accepted the request (so
+    bad input fails before any delta, and the ingress knows where to send an abort), then the
+    request's deltas."""
 
     async def __init__(self, settings: ServeSettings, board: DeploymentHandle) -> None:
         llm = LLM(
@@ -140,10 +150,10 @@ class EngineReplica:
         self.board = board
         self._reporter = asyncio.get_running_loop().create_task(self._report())
 
-    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestDelta | None]:
+    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestDelta | str]:
         stream = await self.engine.generate(req)
-        yield None
-        async with contextlib.aclosing(stream):  # cancelled by the ingress: abort, free the blocks
+        yield self.name
+        async with contextlib.aclosing(stream):
             async for delta in stream:
                 yield delta
 
@@ -154,7 +164,8 @@ class EngineReplica:
     async def _report(self) -> None:
         while True:
             with contextlib.suppress(Exception):  # the board restarting: report next time
-                await self.board.report.remote(self.name, self.engine.stats)
+                for request_id in await self.board.report.remote(self.name, self.engine.stats):
+                    self.engine.abort(request_id)  # its client left
             await asyncio.sleep(REPORT_S)
 
     def __del__(self) -> None:
@@ -204,34 +215,28 @@ def _cause(exc: BaseException) -> BaseException:
     return exc
 
 
-class RemoteStream:
-    """A replica's deltas for one request; `aclose()` cancels it there."""
+class RemoteStream(DeltaStream):
+    """A replica's deltas for one request; `aclose()` aborts the request on that replica."""
 
-    def __init__(self, response: DeploymentResponseGenerator) -> None:
+    def __init__(
+        self, response: DeploymentResponseGenerator, board: DeploymentHandle, replica: str, request_id: str
+    ) -> None:
         self.response = response
-        self.done = False
+        self.board = board
+        self.replica = replica
+        self.request_id = request_id
 
-    def __aiter__(self) -> RemoteStream:
-        return self
-
-    async def __anext__(self) -> RequestDelta:
-        if self.done:
-            raise StopAsyncIteration
+    async def _next(self) -> RequestDelta:
         try:
-            delta = await self.response.__anext__()
+            return await self.response.__anext__()
         except StopAsyncIteration:
-            self.done = True
             raise
         except Exception as exc:
-            self.done = True
             raise _cause(exc) from None
-        self.done = delta.finished
-        return delta
 
-    async def aclose(self) -> None:
-        if not self.done:
-            self.done = True
-            self.response.cancel()
+    def _cancel(self) -> None:
+        self.board.abort.remote(self.replica, self.request_id)
+        self.response.cancel()
 
 
 class ReplicaClient:
@@ -244,14 +249,13 @@ class ReplicaClient:
     async def generate(self, req: EngineRequest) -> RemoteStream:
         response = self.replicas.generate.remote(req)
         try:
-            accepted = await response.__anext__()
+            replica = await response.__anext__()
         except asyncio.CancelledError:
             response.cancel()
             raise
         except Exception as exc:
             raise _cause(exc) from None
-        assert accepted is None, accepted
-        return RemoteStream(response)
+        return RemoteStream(response, self.board, replica, req.request_id)
 
     @property
     def alive(self) -> bool:

@@ -21,8 +21,9 @@ from abc import ABC, abstractmethod
 import torch
 
 from specdecode.request import Proposal, Request, SamplingVerifier, StepResult
+from specdecode.tree import DraftTree
 
-__all__ = ["Drafter", "LastRowDrafter", "Proposal", "SamplingVerifier", "StepResult"]
+__all__ = ["Drafter", "LastRowDrafter", "Proposal", "SamplingVerifier", "StepResult", "opening_proposal"]
 
 
 class Drafter(ABC):
@@ -48,6 +49,19 @@ class Drafter(ABC):
     def release(self) -> None:  # noqa: B027
         """Give back what the drafter holds outside the request (a draft model's paged KV blocks):
         the request finished, was aborted or was preempted. A later `propose` starts over."""
+
+
+def opening_proposal(req: Request, has_feature: bool) -> Proposal | None:
+    """What a drafter that reads the target's features proposes before it can draft, or None
+    when it can: nothing when the request's cache has no room for a draft node; for a one-token
+    prompt (no target row before its root yet) a one-node guess, the root repeated. An empty draft
+    would make the engine take a plain step, which reports no features, so drafting would never
+    start; the guess costs one extra row and gets them."""
+    if req.max_len - len(req.all_ids) <= 0:
+        return Proposal(DraftTree.empty())
+    if not has_feature:
+        return Proposal(DraftTree.chain([req.root]))
+    return None
 
 
 class LastRowDrafter(Drafter):

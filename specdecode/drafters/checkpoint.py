@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -44,20 +44,32 @@ def save(out: Path, weights: str, tensors: dict[str, Tensor], config: dict[str, 
     return out
 
 
-def save_module(
+class SavableHead(Protocol):
+    """A drafter head that `save_head` can write: the name of its weights file, and what it saves
+    besides its state dict."""
+
+    WEIGHTS: ClassVar[str]
+
+    def state_dict(self) -> dict[str, Tensor]: ...
+
+    def saved(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """Its config (a fitted tree included) and the tensors stored as they are (not cast)."""
+        ...
+
+
+def save_head(
+    head: SavableHead,
     out: str | Path,
-    weights: str,
-    module: nn.Module,
     target: str,
-    dtype: torch.dtype,
-    config: dict[str, Any],
-    tensors: dict[str, Tensor] | None = None,
+    dtype: torch.dtype = torch.float16,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a head: its state dict stored as `dtype` plus `tensors` as they are, and `config`
-    with the target's name and the stored dtype added."""
-    state = {name: t.detach().to("cpu", dtype) for name, t in module.state_dict().items()}
+    """Write `head` in specdecode's layout to the directory `out`; weights stored as `dtype`,
+    `extra` added to its config."""
+    config, tensors = head.saved()
+    state = {name: t.detach().to("cpu", dtype) for name, t in head.state_dict().items()}
     meta = {"target": target, "dtype": str(dtype).removeprefix("torch.")}
-    return save(Path(out), weights, {**state, **(tensors or {})}, {**config, **meta})
+    return save(Path(out), head.WEIGHTS, {**state, **tensors}, {**config, **(extra or {}), **meta})
 
 
 def read_config(directory: Path) -> dict[str, Any]:

@@ -45,14 +45,14 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from specdecode.attention import AttentionPlan, Segment
 from specdecode.drafters import checkpoint
-from specdecode.drafters.base import Drafter, Proposal, StepResult
+from specdecode.drafters.base import Drafter, Proposal, StepResult, opening_proposal
 from specdecode.drafters.checkpoint import CONFIG
 from specdecode.errors import SpecDecodeError
 from specdecode.kv_cache import KVCache
@@ -90,6 +90,8 @@ class EagleHead(nn.Module):
     token ids the head drafts from (None: all), as EAGLE-3 does; on a CPU the LM head is most of
     a draft step's cost and answers use a small part of a 49k vocabulary.
     """
+
+    WEIGHTS: ClassVar[str] = WEIGHTS  # its weights file (`checkpoint.save_head`)
 
     def __init__(
         self,
@@ -154,6 +156,11 @@ class EagleHead(nn.Module):
         plan.commit()
         return out
 
+    def saved(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        vocab = {} if self.draft_vocab is None else {DRAFT_VOCAB: self.draft_vocab.to("cpu", torch.int64)}
+        fitted = {} if self.choices is None else {"eagle_choices": self.choices}
+        return {**self.config(), **fitted}, vocab
+
     def config(self) -> dict[str, Any]:
         layer = self.layer_config
         return {
@@ -172,18 +179,7 @@ class EagleHead(nn.Module):
 # Checkpoints
 
 
-def save_head(
-    head: EagleHead,
-    out: str | Path,
-    target: str,
-    dtype: torch.dtype = torch.float16,
-    extra: dict[str, Any] | None = None,
-) -> Path:
-    """Write `head` in specdecode's layout to the directory `out`; weights stored as `dtype`."""
-    vocab = {} if head.draft_vocab is None else {DRAFT_VOCAB: head.draft_vocab.to("cpu", torch.int64)}
-    fitted = {} if head.choices is None else {"eagle_choices": head.choices}
-    config = {**head.config(), **fitted, **(extra or {})}
-    return checkpoint.save_module(out, WEIGHTS, head, target, dtype, config, vocab)
+save_head = checkpoint.save_head  # (head, out, target, dtype=float16, extra=None) -> out
 
 
 def _load_ours(path: Path, config: dict[str, Any]) -> EagleHead:
@@ -521,13 +517,9 @@ class EagleDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, req: Request) -> Proposal:
+        if (opening := opening_proposal(req, self.last is not None)) is not None:
+            return opening
         room = req.max_len - len(req.all_ids)  # draft nodes the request's cache still holds
-        if room <= 0:
-            return Proposal(DraftTree.empty())
-        if self.last is None:
-            # A one-token prompt has no feature yet: a one-node guess (the root repeated) makes
-            # the engine run a speculative step, which reports the features drafting needs.
-            return Proposal(DraftTree.chain([req.root]))
         decided = self.cache.length
         growth = _Growth(self, req)
         try:

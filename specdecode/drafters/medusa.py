@@ -34,14 +34,14 @@ import functools
 import heapq
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdecode.drafters import checkpoint
-from specdecode.drafters.base import LastRowDrafter, Proposal
+from specdecode.drafters.base import LastRowDrafter, Proposal, opening_proposal
 from specdecode.drafters.checkpoint import CONFIG
 from specdecode.errors import SpecDecodeError
 from specdecode.models.transformer import Transformer
@@ -83,6 +83,8 @@ class MedusaHeads(nn.Module):
     holds only the blocks (K * C * (C+1) numbers, a few MB for SmolLM2) instead of K copies of a
     V x C matrix. `choices` is the tree fitted to these heads when they were trained, if any.
     """
+
+    WEIGHTS: ClassVar[str] = WEIGHTS  # its weights file (`checkpoint.save_head`)
 
     def __init__(
         self,
@@ -130,6 +132,10 @@ class MedusaHeads(nn.Module):
             return feats.to(shared_weight_t.dtype) @ shared_weight_t
         return torch.stack([self.lm_heads[i](f) for i, f in enumerate(feats)])
 
+    def saved(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        fitted = {} if self.choices is None else {"medusa_choices": self.choices}
+        return {**self.config(), **fitted}, {}
+
     def config(self) -> dict[str, Any]:
         return {
             "method": "medusa",
@@ -145,17 +151,7 @@ class MedusaHeads(nn.Module):
 # Checkpoints
 
 
-def save_heads(
-    heads: MedusaHeads,
-    out: str | Path,
-    target: str,
-    dtype: torch.dtype = torch.float16,
-    extra: dict[str, Any] | None = None,
-) -> Path:
-    """Write `heads` in specdecode's layout to the directory `out`; weights stored as `dtype`."""
-    fitted = {} if heads.choices is None else {"medusa_choices": heads.choices}
-    config = {**heads.config(), **fitted, **(extra or {})}
-    return checkpoint.save_module(out, WEIGHTS, heads, target, dtype, config)
+save_heads = checkpoint.save_head  # (heads, out, target, dtype=float16, extra=None) -> out
 
 
 def _load_ours(path: Path, config: dict[str, Any]) -> MedusaHeads:
@@ -321,14 +317,11 @@ class MedusaDrafter(LastRowDrafter):
 
     @torch.inference_mode()
     def propose(self, req: Request) -> Proposal:
-        room = req.max_len - len(req.all_ids)  # draft nodes the request's cache still holds
-        if room <= 0 or self.num_heads_used == 0:
+        if self.num_heads_used == 0:
             return Proposal(DraftTree.empty())
-        if self.hidden is None:
-            # A one-token prompt has no row before its root. An empty draft would make the
-            # engine take a plain step, which reports no hidden states, and drafting would never
-            # start; a one-node guess (the root repeated) costs one extra row and gets them.
-            return Proposal(DraftTree.chain([req.root]))
+        if (opening := opening_proposal(req, self.hidden is not None)) is not None:
+            return opening
+        room = req.max_len - len(req.all_ids)  # draft nodes the request's cache still holds
         if self.heads.lm_heads is None:
             # The target's head, through its bfloat16 copy where it has one (half the bytes of
             # the largest matrix, per head): a draft only picks candidates, the verifier decides.

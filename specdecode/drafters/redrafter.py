@@ -51,14 +51,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdecode.drafters import checkpoint
-from specdecode.drafters.base import LastRowDrafter, Proposal
+from specdecode.drafters.base import LastRowDrafter, Proposal, opening_proposal
 from specdecode.drafters.checkpoint import CONFIG
 from specdecode.drafters.medusa import ResBlock
 from specdecode.errors import SpecDecodeError
@@ -89,6 +89,8 @@ class ReDrafterHead(nn.Module):
     Built to start from the target's own next-token guess: the projection passes h through and
     ignores s, the blocks are the identity; training learns to use the state.
     """
+
+    WEIGHTS: ClassVar[str] = WEIGHTS  # its weights file (`checkpoint.save_head`)
 
     def __init__(
         self,
@@ -172,6 +174,10 @@ class ReDrafterHead(nn.Module):
                 raise ValueError("this drafter shares the target's LM head: pass its weight_t")
             return feats.to(shared_weight_t.dtype) @ shared_weight_t
         return self.lm_head(feats)
+
+    def saved(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        vocab = {"draft_vocab": self.draft_vocab.to("cpu")} if self.draft_vocab.numel() else {}
+        return self.config(), vocab
 
     def config(self) -> dict[str, Any]:
         return {
@@ -258,17 +264,7 @@ def merge_beams(beams: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
 # Checkpoints
 
 
-def save_head(
-    head: ReDrafterHead,
-    out: str | Path,
-    target: str,
-    dtype: torch.dtype = torch.float16,
-    extra: dict[str, Any] | None = None,
-) -> Path:
-    """Write `head` in specdecode's layout to the directory `out`; weights stored as `dtype`."""
-    vocab = {"draft_vocab": head.draft_vocab.to("cpu")} if head.draft_vocab.numel() else {}
-    config = {**head.config(), **(extra or {})}
-    return checkpoint.save_module(out, WEIGHTS, head, target, dtype, config, vocab)
+save_head = checkpoint.save_head  # (head, out, target, dtype=float16, extra=None) -> out
 
 
 def _build(config: dict[str, Any], source: Path, layers_key: str, shared: bool) -> ReDrafterHead:
@@ -362,13 +358,9 @@ class ReDrafter(LastRowDrafter):
         self.hidden: Tensor | None = None  # (C,) the row whose target output is the current root
 
     def propose(self, req: Request) -> Proposal:
+        if (opening := opening_proposal(req, self.hidden is not None)) is not None:
+            return opening
         room = req.max_len - len(req.all_ids)  # draft nodes the request's cache still holds
-        if room <= 0:
-            return Proposal(DraftTree.empty())
-        if self.hidden is None:
-            # A one-token prompt has no row before its root; a one-node guess (the root
-            # repeated) gets the target to compute one, as in `MedusaDrafter.propose`.
-            return Proposal(DraftTree.chain([req.root]))
         beams, _ = beam_search(
             self.head,
             self.hidden,

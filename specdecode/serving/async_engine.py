@@ -16,6 +16,7 @@ import asyncio
 import copy
 import logging
 import threading
+from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
 
@@ -59,39 +60,59 @@ class _Route:
         return True
 
 
-class RequestStream:
-    """The deltas of one accepted request, ending after the finished one.
+class DeltaStream(ABC):
+    """The deltas of one accepted request, ending after the finished one (or at an error, or
+    when the request was aborted). `aclose()` before the end cancels the request where it runs,
+    so its KV blocks are freed."""
 
-    `aclose()` before the end aborts the request in the engine, so its KV blocks are freed.
-    """
+    done = False
 
-    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue[Item]) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self.queue = queue
-        self.done = False
-
-    def __aiter__(self) -> RequestStream:
+    def __aiter__(self) -> DeltaStream:
         return self
 
     async def __anext__(self) -> RequestDelta:
         if self.done:
             raise StopAsyncIteration
-        item = await self.queue.get()
-        if item is ABORTED:
+        try:
+            delta = await self._next()
+        except Exception:  # the end or an error; a cancelled reader (CancelledError) still aborts
             self.done = True
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self.done = True
-            raise item
-        assert isinstance(item, RequestDelta)
-        self.done = item.finished
-        return item
+            raise
+        self.done = delta.finished
+        return delta
 
     async def aclose(self) -> None:
         if not self.done:
             self.done = True
-            self.engine.abort(self.request_id)
+            self._cancel()
+
+    @abstractmethod
+    async def _next(self) -> RequestDelta:
+        """The next delta; StopAsyncIteration when the request was aborted."""
+
+    @abstractmethod
+    def _cancel(self) -> None: ...
+
+
+class RequestStream(DeltaStream):
+    """A request of this process's engine thread: its deltas come through an asyncio queue."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue[Item]) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.queue = queue
+
+    async def _next(self) -> RequestDelta:
+        item = await self.queue.get()
+        if item is ABORTED:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        assert isinstance(item, RequestDelta)
+        return item
+
+    def _cancel(self) -> None:
+        self.engine.abort(self.request_id)
 
 
 class AsyncEngine:

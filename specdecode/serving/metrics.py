@@ -104,38 +104,44 @@ def render(stats: EngineStats | Mapping[str, EngineStats]) -> str:
     lines: list[str] = []
     for name, kind, help_text, attr in families:
         lines += _family(f"specdecode_{name}", kind, help_text, each(lambda s, a=attr: [({}, getattr(s, a))]))
-    lines += _family(
-        "specdecode_draft_tokens_proposed_total",
-        "counter",
-        "Draft tokens verified, per method.",
-        each(lambda s: _by_method(s.drafts_proposed)),
-    )
-    lines += _family(
-        "specdecode_draft_tokens_accepted_total",
-        "counter",
-        "Draft tokens accepted, per method.",
-        each(lambda s: _by_method(s.drafts_accepted)),
-    )
-    lines += _family(
-        "specdecode_draft_proposed_by_position_total",
-        "counter",
-        "Steps that offered a draft token at this depth, per method.",
-        each(lambda s: _by_position(s.proposed_by_position)),
-    )
-    lines += _family(
-        "specdecode_draft_accepted_by_position_total",
-        "counter",
-        "Steps that accepted a draft token at this depth, per method.",
-        each(lambda s: _by_position(s.accepted_by_position)),
-    )
-    lines += _histogram(
-        "specdecode_time_to_first_token_seconds",
-        "Seconds from a request's arrival to its first token.",
-        [(labels, s.time_to_first_token) for labels, s in replicas],
-    )
-    lines += _histogram(
-        "specdecode_time_per_output_token_seconds",
-        "Seconds per output token after the first, per finished request.",
-        [(labels, s.time_per_output_token) for labels, s in replicas],
-    )
+    speculation = [  # (name, help, samples of one engine's figures by method / position)
+        (
+            "draft_tokens_proposed_total",
+            "Draft tokens verified, per method.",
+            lambda s: _by_method(s.drafts_proposed),
+        ),
+        (
+            "draft_tokens_accepted_total",
+            "Draft tokens accepted, per method.",
+            lambda s: _by_method(s.drafts_accepted),
+        ),
+        (
+            "draft_proposed_by_position_total",
+            "Steps that offered a draft token at this depth, per method.",
+            lambda s: _by_position(s.proposed_by_position),
+        ),
+        (
+            "draft_accepted_by_position_total",
+            "Steps that accepted a draft token at this depth, per method.",
+            lambda s: _by_position(s.accepted_by_position),
+        ),
+    ]
+    for name, help_text, samples_of in speculation:
+        lines += _family(f"specdecode_{name}", "counter", help_text, each(samples_of))
+    histograms = [
+        (
+            "time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first token.",
+            "time_to_first_token",
+        ),
+        (
+            "time_per_output_token_seconds",
+            "Seconds per output token after the first, per finished request.",
+            "time_per_output_token",
+        ),
+    ]
+    for name, help_text, attr in histograms:
+        lines += _histogram(
+            f"specdecode_{name}", help_text, [(labels, getattr(s, attr)) for labels, s in replicas]
+        )
     return "\n".join(lines) + "\n"

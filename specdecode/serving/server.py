@@ -47,7 +47,7 @@ from specdecode.models.config import ModelConfig
 from specdecode.models.loader import resolve_model
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs
-from specdecode.serving.async_engine import AsyncEngine, EngineStopped
+from specdecode.serving.async_engine import AsyncEngine, DeltaStream, EngineStopped
 from specdecode.serving.metrics import render
 from specdecode.spec_config import SpecConfig, parse_speculative
 
@@ -97,14 +97,6 @@ class Frontend:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         assert isinstance(ids, list)
         return ids
-
-
-class DeltaStream(Protocol):
-    """One accepted request's deltas; `aclose()` before the end aborts it (its blocks are freed)."""
-
-    def __aiter__(self) -> AsyncIterator[RequestDelta]: ...
-
-    async def aclose(self) -> None: ...
 
 
 class EngineClient(Protocol):
