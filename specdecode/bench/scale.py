@@ -25,12 +25,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import httpx
+from typing import TYPE_CHECKING
 
 from specdecode.bench.specbench import DEFAULT_QUESTIONS, load_questions
 from specdecode.engine.config import EngineConfig
 from specdecode.errors import SpecDecodeError
+
+if TYPE_CHECKING:  # httpx and Ray come with the [ray] extra: imported when the benchmark runs
+    import httpx
 
 
 @dataclass
@@ -54,6 +56,8 @@ def _free_port() -> int:
 
 
 def _wait_healthy(url: str, timeout: float = 300.0) -> None:
+    import httpx
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError):
@@ -130,6 +134,8 @@ async def _one(
 async def _load(
     url: str, model: str, prompts: list[str], max_tokens: int
 ) -> tuple[list[str], int, float, float]:
+    import httpx
+
     async with httpx.AsyncClient(
         timeout=600, limits=httpx.Limits(max_connections=len(prompts) + 4)
     ) as client:
