@@ -54,8 +54,9 @@ from specdecode.serving.server import Frontend, create_app
 APP_NAME = "specdecode"
 REPORT_S = 0.5  # how often a replica sends its counters to the board (and takes its aborts)
 STALE_S = 15.0  # a replica silent this long is left out of /metrics (it died)
-# Environment the replicas need from the launching process (model cache, kernel choice).
-FORWARDED_ENV = ("SPECDECODE_", "HF_", "OMP_")
+# Environment the replicas need from the launching process (model cache, kernel choice; their
+# thread counts come from ServeSettings.threads).
+FORWARDED_ENV = ("SPECDECODE_", "HF_")
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,6 @@ class ServeSettings:
     max_replicas: int | None = None
     api_key: str | None = None
     model_name: str | None = None
-    env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("threads", "replicas"):
@@ -126,6 +126,7 @@ class MetricsBoard:
     def snapshot(self) -> dict[str, EngineStats]:
         now = time.monotonic()
         self.reports = {k: v for k, v in self.reports.items() if now - v[0] < STALE_S}
+        self.aborts = {k: v for k, v in self.aborts.items() if k in self.reports}  # dead: dropped
         return {k: stats for k, (_, stats) in self.reports.items()}
 
 
@@ -283,7 +284,7 @@ class Ingress:
 
 def build_app(settings: ServeSettings) -> Any:
     """The bound application (`serve.run` takes it)."""
-    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)} | settings.env
+    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
     runtime_env = {"env_vars": env}
     board = MetricsBoard.options(ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env}).bind()
     scaling: dict[str, Any] = (
