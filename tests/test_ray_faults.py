@@ -11,10 +11,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
+import httpx  # noqa: E402
 import openai  # noqa: E402
 
 from specdecode.engine.config import EngineConfig  # noqa: E402
-from tests.test_ray import free_port, reported  # noqa: E402
+from tests.test_ray import free_port, metrics, reported, samples  # noqa: E402
 
 pytestmark = pytest.mark.real
 
@@ -68,6 +69,39 @@ def test_closing_a_stream_in_the_ingress_aborts_the_request_on_its_replica(servi
     aborted = reported(service, "specdecode_requests_aborted_total", lambda f: sum(f.values()) == 1)
     used = reported(service, "specdecode_kv_blocks_used", lambda f: len(f) == 2 and not any(f.values()))
     assert set(aborted) == set(used)
+
+
+def aborted_total(service: str) -> float:
+    return sum(samples(metrics(service), "specdecode_requests_aborted_total").values())
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unary"])
+def test_a_client_that_disconnects_from_the_ingress_frees_its_blocks(service: str, stream: bool) -> None:
+    """A real HTTP client leaves mid-answer (closing the stream after a few events, or timing out
+    on a long non-streamed answer): Ray Serve's proxy cancels the ingress's handler, and the
+    request is aborted on the replica that holds it, its blocks freed, long before its 1000
+    tokens would end."""
+    before = aborted_total(service)
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a long story.",
+        "max_tokens": 1000,
+        "temperature": 0,
+        "stream": stream,
+        "ignore_eos": True,
+    }
+    with httpx.Client(timeout=httpx.Timeout(60, read=None if stream else 3)) as http:
+        if stream:
+            with http.stream("POST", service + "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                for i, _ in enumerate(response.iter_lines()):
+                    if i == 3:
+                        break
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post(service + "/v1/completions", json=body)
+    reported(service, "specdecode_requests_aborted_total", lambda f: sum(f.values()) == before + 1)
+    reported(service, "specdecode_kv_blocks_used", lambda f: len(f) == 2 and not any(f.values()))
 
 
 def test_a_killed_replica_fails_its_request_and_the_service_goes_on(service: str) -> None:

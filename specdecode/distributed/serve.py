@@ -19,10 +19,10 @@ Requests reach replicas through `PrefixRouter` (a Ray Serve request router over
 `routing.choose`): the replica that was sent the longest prefix of the prompt's KV blocks, else the
 least busy. A replica that dies is replaced by Ray Serve; the requests it was running end with a
 503 error (`EngineStopped`), never a hang. A stream the ingress closes early (a stop string, a
-failed choice) has its request aborted on the replica that holds it (named by the stream's first
-item), freeing its blocks: through the board, because cancelling a Ray Serve streaming response
-does not reach the replica's generator. A client's HTTP disconnect does not reach the ingress
-through Ray Serve's proxy yet, so such a request runs to its end.
+failed choice, or a client that disconnects: Ray Serve's proxy then cancels the ingress's
+handler) has its request aborted on the replica that holds it (named by the stream's first item),
+freeing its blocks: through the board, because cancelling a Ray Serve streaming response does not
+reach the replica's generator.
 """
 
 from __future__ import annotations
