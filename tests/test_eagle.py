@@ -554,7 +554,7 @@ def test_train_command_end_to_end(
 def test_shipped_head_on_smollm2() -> None:
     """The shipped head loads by default for SmolLM2-135M and both trees decode exactly like
     plain greedy decoding, accepting drafts."""
-    llm = LLM(model="smollm2-135m", progress=False)
+    llm = LLM(model="smollm2-135m", progress=False, speculation_policy=False)  # whole trees
     ids = llm.chat_prompt([{"role": "user", "content": "Write a short poem about the sea."}])
     params = SamplingParams(max_tokens=32, temperature=0)
     plain = llm.generate([ids], params)[0].token_ids

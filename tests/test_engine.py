@@ -624,7 +624,7 @@ def test_trained_drafters_in_the_engine_match_their_solo_run(method: str) -> Non
     the forward's rows (prefilled in chunks) and with a prompt whose prefix comes from reused KV
     blocks, each reaches the tokens it reaches alone, at a τ within 5% of its solo run."""
     spec = {"method": method, "prompt_lookup_num_tokens": 0}  # the heads alone
-    llm = LLM(model="smollm2-135m", progress=False)
+    llm = LLM(model="smollm2-135m", progress=False, speculation_policy=False)  # whole drafts both ways
     article = " ".join(f"Fact {i}: the {w} river flows north." for i, w in enumerate(["red", "blue"] * 30))
     long_prompt = llm.chat_prompt([{"role": "user", "content": f"{article}\n\nSummarize the facts."}])
     shared = llm.chat_prompt([{"role": "user", "content": f"{article}\n\nWhich river is blue?"}])

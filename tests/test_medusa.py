@@ -397,7 +397,7 @@ def test_shipped_heads_on_spec_bench() -> None:
     fitted = load_heads(shipped_heads("smollm2-135m")).choices
     assert fitted is not None and len(fitted) > DEFAULT_TREE_NODES
     spec = {"method": "medusa", "medusa_choices": fitted}
-    llm = LLM(model="smollm2-135m", speculative=spec, progress=False)
+    llm = LLM(model="smollm2-135m", speculative=spec, progress=False, speculation_policy=False)
     params = SamplingParams(max_tokens=96, temperature=0)
     tokens = forwards = 0
     for q in load_questions(DEFAULT_QUESTIONS, per_category=1, categories=None):

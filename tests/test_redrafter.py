@@ -475,7 +475,8 @@ def test_train_command_end_to_end(
 
 @pytest.mark.real
 def test_shipped_drafter_on_smollm2() -> None:
-    llm = LLM(model="smollm2-135m", speculative={"method": "redrafter"}, progress=False)
+    spec = {"method": "redrafter"}
+    llm = LLM(model="smollm2-135m", speculative=spec, progress=False, speculation_policy=False)
     params = SamplingParams(max_tokens=48, temperature=0)
     ids = llm.chat_prompt([{"role": "user", "content": "Write a short poem about the sea."}])
     spec = llm.generate([ids], params)[0]

@@ -95,6 +95,9 @@ class RequestDelta:
 
 
 # Upper bounds (seconds) of the latency histograms' buckets, as Prometheus histograms count them.
+# The load policy's latency curve is measured up to this many rows (extended linearly past them:
+# by then a forward is bound by its arithmetic), at the first step that asks for draft budgets.
+CURVE_ROWS = 128
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
 
@@ -160,6 +163,16 @@ class EngineStats:
             accepted[d] += d < num_accepted
 
 
+def _fixed_budget(seq: Sequence) -> int | None:
+    """The draft budget of a request the load policy does not weigh (see
+    `LLMEngine._draft_budgets`): 0 when it cannot draft, its method's whole proposal when it is a
+    seeded sampled request; None for the others."""
+    if seq.drafter is None or seq.max_step <= 1:
+        return 0
+    params = seq.req.params
+    return seq.max_step - 1 if params.seed is not None and not params.greedy else None
+
+
 class LLMEngine:
     """Runs requests on `model` with in-flight batching, a paged KV cache with prefix reuse and
     per-request speculation (under the load policy when `config.policy`). `drafters` builds each
@@ -193,7 +206,7 @@ class LLMEngine:
             self.policy = SpeculationPolicy(
                 LatencyCurve(curve)
                 if curve is not None
-                else LatencyCurve.measure(self.model, config.max_batch_tokens)
+                else lambda: LatencyCurve.measure(self.model, min(config.max_batch_tokens, CURVE_ROWS))
             )
         self.stats = EngineStats(kv_blocks_total=num_blocks)
 
@@ -374,8 +387,13 @@ class LLMEngine:
                 out.append(k)
                 left -= k
             return out
+        # The policy weighs only requests that can draft. A seeded sampled request drafts its
+        # method's whole proposal: budgets chosen from measured times would make the random draws
+        # it consumes, hence its text, vary run to run.
+        fixed = [_fixed_budget(seq) for seq in decoding]
+        base_tokens += sum(k for k in fixed if k is not None)
         candidates = []
-        for seq in decoding:
+        for seq in [s for s, k in zip(decoding, fixed, strict=True) if k is None]:
             depth = seq.max_step - 1
             stats = seq.req.stats
             prior = method_rates(
@@ -386,7 +404,8 @@ class LLMEngine:
                 stats.proposed_by_position, stats.accepted_by_position, prior, depth, FORGET**seq.idle_steps
             )
             candidates.append(Candidate(depth, rates, seq.draft_cost))
-        return self.policy.budgets(candidates, base_tokens, rows)
+        chosen = iter(self.policy.budgets(candidates, base_tokens, rows) if candidates else [])
+        return [next(chosen) if k is None else k for k in fixed]
 
     def _forward(
         self, plans: list[tuple[Sequence, StepPlan, Segment]], chunks: list[tuple[Sequence, Segment]]

@@ -31,6 +31,7 @@ every request takes a plain step (its drafter is not even asked).
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -89,11 +90,20 @@ class Candidate:
 
 
 class SpeculationPolicy:
-    """Chooses per-request draft budgets from the latency curve and acceptance estimates."""
+    """Chooses per-request draft budgets from the latency curve and acceptance estimates.
 
-    def __init__(self, curve: LatencyCurve) -> None:
-        self.curve = curve
+    `curve` may be a function that measures it: it is then called when a budget is first asked
+    for, so an engine that never speculates never spends the measurement's second or so."""
+
+    def __init__(self, curve: LatencyCurve | Callable[[], LatencyCurve]) -> None:
+        self._curve = curve
         self.overhead = 0.0  # seconds per step beyond the forward (running average)
+
+    @property
+    def curve(self) -> LatencyCurve:
+        if not isinstance(self._curve, LatencyCurve):
+            self._curve = self._curve()
+        return self._curve
 
     def budgets(self, candidates: list[Candidate], base_tokens: int, max_tokens: int) -> list[int]:
         """Draft tokens for each candidate, given `base_tokens` rows the forward carries anyway
@@ -123,7 +133,10 @@ class SpeculationPolicy:
         return out
 
     def observe_step(self, seconds: float, tokens: int, draft_seconds: float) -> None:
-        """Update the overhead estimate from a step that took `seconds` over `tokens` rows."""
+        """Update the overhead estimate from a step that took `seconds` over `tokens` rows
+        (nothing before the curve is measured: no budget was asked for yet)."""
+        if not isinstance(self._curve, LatencyCurve):
+            return
         extra = max(0.0, seconds - self.curve(tokens) - draft_seconds)
         self.overhead += EMA * (extra - self.overhead)
 
