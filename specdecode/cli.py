@@ -34,6 +34,14 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def add_quantization_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--quantization",
+        default=None,
+        help="q4_0, q4_1, q5_0 or q8_0: a float checkpoint's weights quantized on load (CPU)",
+    )
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="short name, .gguf file, HF directory or hub id")
     p.add_argument(
@@ -203,7 +211,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
     params = sampling_params(args)  # validate before the (slow) model load
     spec = parse_speculative(speculative_settings(args))
     llm = LLM(
-        model=args.model, dtype=args.dtype, device=args.device, speculative=spec, num_threads=args.threads
+        model=args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        device=args.device,
+        speculative=spec,
+        num_threads=args.threads,
     )
     prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     if args.stream and not args.json:
@@ -302,6 +315,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         speculative=config.speculative,
         num_threads=args.threads,
@@ -322,6 +336,7 @@ def _serve_on_ray(args: argparse.Namespace, config: EngineConfig) -> None:
         model=args.model,
         engine=config,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         threads=args.threads or 1,
         gpus=gpus,
@@ -339,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text from a prompt")
     add_model_args(gen)
+    add_quantization_arg(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_sampling_args(gen)
@@ -366,6 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
             "scale",
             "Ray Serve replicas behind the ingress vs one server, over HTTP ([ray] extra)",
         ),
+        "bench-data": ("data", "Ray Data batch generation across workers vs one LLM.generate ([ray] extra)"),
     }
     for command, (name, about) in benchmarks.items():
         module = f"specdecode.bench.{name}"
@@ -376,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (in-flight batching, speculation)")
     add_model_args(srv)
+    add_quantization_arg(srv)
     srv.add_argument(
         "--speculative",
         type=_speculative_json,

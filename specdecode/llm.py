@@ -53,16 +53,22 @@ class LLM:
     `model` is a short name (`specdecode models list`), a `.gguf` file, a Hugging Face model
     directory, or a hub id where a network exists. `dtype` "auto" runs a GGUF's weights as stored
     (its block formats, float32 activations; on a CPU) and other models in float32; "float32" or
-    "bfloat16" dequantize every weight to that dtype. `device`
-    defaults to CUDA when available, else CPU. `speculative` is the default speculative method
+    "bfloat16" dequantize every weight to that dtype. `quantization` ("q4_0", "q4_1", "q5_0",
+    "q8_0") quantizes a float checkpoint's linear weights and LM head on load, run as a GGUF's
+    are. `device` defaults to CUDA when available, else CPU. `speculative` is the default speculative method
     for every call (a dictionary such as `{"method": "prompt_lookup"}`; None = plain decoding);
     a lookahead setting here also fixes the largest (W, N, G) a call may ask for.
 
     The engine's settings, as vLLM names them: `max_num_seqs` requests decode together,
     `max_num_batched_tokens` rows per target forward, `kv_cache_memory` bytes of KV blocks (None:
     a share of the memory available), `enable_prefix_caching` reuses the KV blocks of shared
-    prompt prefixes, `speculation_policy` lets the load policy shorten drafts as the batch grows
-    (off: every request drafts what its method proposes, as it would alone).
+    prompt prefixes. `speculation_policy` (on, as in the server) lets the load policy choose each
+    step how many draft tokens each request verifies, from this machine's measured cost of a
+    forward and the acceptance seen so far: short drafts where the weights are cheap to read but
+    rows cost their arithmetic (quantized weights on a CPU), none for a wide batch unless they pay.
+    Greedy outputs are the same either way; a seeded sampled request always drafts its method's
+    whole proposal, so its text stays reproducible. Off: every request drafts what its method
+    proposes.
     """
 
     def __init__(
@@ -77,7 +83,8 @@ class LLM:
         max_num_batched_tokens: int = 512,
         kv_cache_memory: int | None = None,
         enable_prefix_caching: bool = True,
-        speculation_policy: bool = False,
+        speculation_policy: bool = True,
+        quantization: str | None = None,
     ) -> None:
         if num_threads is not None:
             if num_threads < 1:
@@ -95,7 +102,7 @@ class LLM:
         )
         path = resolve_model(model, progress=progress)
         self.tokenizer = Tokenizer.from_dir(path)
-        self.model = load_target(path, dtype, resolve_device(device))
+        self.model = load_target(path, dtype, resolve_device(device), quantization)
         self.drafters = DrafterFactory(self.model, self.tokenizer, model, progress)
         if self.speculative is not None:
             self.drafters.build(self.speculative)  # load a draft model or heads now: fail early

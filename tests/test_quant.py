@@ -137,3 +137,70 @@ def test_gguf_as_stored_decodes_as_dequantized(quant_gguf: Path) -> None:
         assert [
             o.token_ids for o in stored.generate(prompts, params, use_tqdm=False, speculative=spec)
         ] == got
+
+
+# ---- float checkpoints quantized on load --------------------------------------------------------
+
+
+def round_trip(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    """`weight` (out, in) through gguf-py's quantizer and back: the values a quantized layer holds."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+    from gguf.quants import quantize
+
+    kind = GGMLQuantizationType[fmt]
+    return torch.from_numpy(gguf_dequantize(quantize(weight.float().numpy(), kind), kind))
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_float_checkpoint_quantized_on_load_decodes_as_its_round_trip(
+    fmt: str, arch: str, tmp_path: Path
+) -> None:
+    """`quantization=` holds every linear weight and the LM head in `fmt` blocks, and greedy
+    decoding gives the tokens of a float model whose weights are those blocks dequantized (the
+    input embedding stays float)."""
+    from tests.tiny import make_tiny_hf, write_chat_tokenizer
+
+    if select("cpu").quant is None:
+        pytest.skip("no quantized kernels here (no C++ compiler, or SPECDECODE_CPU_ISA=off)")
+    hf = make_tiny_hf(arch, tmp_path / "float")
+    with torch.no_grad():
+        embed = hf.model.embed_tokens.weight
+        if hf.config.tie_word_embeddings:  # the reference unties: its input embedding stays float
+            hf.config.tie_word_embeddings = False
+            hf.lm_head.weight = torch.nn.Parameter(embed.detach().clone())
+        for name, p in hf.named_parameters():
+            if p.dim() == 2 and "embed_tokens" not in name:
+                p.copy_(round_trip(p, fmt.upper()))
+    hf.save_pretrained(tmp_path / "round_trip")
+    for out in ("float", "round_trip"):
+        write_chat_tokenizer(tmp_path / out)
+
+    quantized = LLM(str(tmp_path / "float"), quantization=fmt, progress=False)
+    reference = LLM(str(tmp_path / "round_trip"), dtype="float32", progress=False)
+    for layer in quantized.model.layers:
+        for dense in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            assert dense.quantized is not None and {p.format for p in dense.quantized.parts} == {fmt.upper()}
+    head = quantized.model.lm_head
+    assert head is not None and head.quantized is not None
+    torch.testing.assert_close(
+        quantized.model.layers[0].gate_up.matrix(), reference.model.layers[0].gate_up.matrix(), rtol=0, atol=0
+    )
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [[3 + i, 5, 17, 3 + i, 5] for i in range(4)]
+    want = [o.token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in quantized.generate(prompts, params, use_tqdm=False)] == want
+
+
+def test_quantization_on_load_is_checked(quant_gguf: Path, tmp_path: Path) -> None:
+    from tests.tiny import make_tiny_hf, write_chat_tokenizer
+
+    make_tiny_hf("llama", tmp_path)
+    write_chat_tokenizer(tmp_path)
+    with pytest.raises(SpecDecodeError, match="unknown quantization 'q3_k'"):
+        LLM(str(tmp_path), quantization="q3_k", progress=False)
+    with pytest.raises(SpecDecodeError, match="computes in float32"):
+        LLM(str(tmp_path), quantization="q8_0", dtype="bfloat16", progress=False)
+    with pytest.raises(SpecDecodeError, match="already quantized"):
+        LLM(str(quant_gguf), quantization="q8_0", progress=False)

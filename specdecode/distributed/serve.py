@@ -68,6 +68,7 @@ class ServeSettings:
     model: str
     engine: EngineConfig = field(default_factory=EngineConfig)
     dtype: str = "auto"
+    quantization: str | None = None
     device: str | None = None
     threads: int = 1
     gpus: float = 0.0
@@ -140,6 +141,7 @@ class EngineReplica:
         llm = LLM(
             model=settings.model,
             dtype=settings.dtype,
+            quantization=settings.quantization,
             device=settings.device,
             speculative=settings.engine.speculative,
             num_threads=settings.threads,

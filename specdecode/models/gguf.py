@@ -12,9 +12,10 @@ import hashlib
 import json
 import re
 import struct
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 from tqdm import tqdm
@@ -23,6 +24,9 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.cache import atomic_dir, cache_root
 from specdecode.models.config import SUPPORTED_ARCHS, ModelConfig
 from specdecode.models.gguf_tokenizer import build_tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 # Bump when the converted directory's content changes, so old conversions are not reused.
 CONVERTER_VERSION = 1
@@ -337,4 +341,30 @@ def stored_weights(path: str | Path) -> dict[str, tuple[str, np.ndarray]]:
         if t.unpermute_heads is not None:
             data = unpermute_rotary(data, t.unpermute_heads)
         out[t.name] = fmt, np.array(data, order="C")  # a copy in memory: the file may change
+    return out
+
+
+QUANTIZATIONS = ("q4_0", "q4_1", "q5_0", "q8_0")  # formats floats are quantized to on load
+
+
+def quantized_weights(
+    tensors: Mapping[str, torch.Tensor], names: Iterable[str], quantization: str
+) -> dict[str, tuple[str, np.ndarray]]:
+    """Float weights quantized on load into the blocks of `quantization` (one of QUANTIZATIONS),
+    with gguf-py's quantizer, the one llama.cpp's conversion script writes files with: the
+    mapping `stored_weights` reads from a GGUF. A matrix whose rows are not whole blocks of 32
+    stays float (as GGUF converters leave such tensors unquantized)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    fmt = quantization.upper()
+    kind = GGMLQuantizationType[fmt]
+    out: dict[str, tuple[str, np.ndarray]] = {}
+    for name in names:
+        if name not in tensors:
+            continue
+        weight = tensors[name]
+        if weight.dim() != 2 or weight.shape[1] % 32:
+            continue
+        out[name] = fmt, np.ascontiguousarray(quantize(weight.float().numpy(), kind))
     return out

@@ -14,7 +14,7 @@ import torch
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.config import ModelConfig
-from specdecode.models.gguf import GGUF_MAGIC, load_gguf, source_gguf
+from specdecode.models.gguf import GGUF_MAGIC, QUANTIZATIONS, load_gguf, source_gguf
 from specdecode.models.registry import REGISTRY, fetch
 
 if TYPE_CHECKING:
@@ -99,16 +99,39 @@ DTYPES = {
 }
 
 
-def load_target(path: Path, dtype: str | torch.dtype, device: torch.device) -> Transformer:
+def load_target(
+    path: Path, dtype: str | torch.dtype, device: torch.device, quantization: str | None = None
+) -> Transformer:
     """The model in the directory `path` (from `resolve_model`). dtype "auto": a GGUF's weights as
     stored, in their block formats (on a CPU; float32 activations), anything else in float32;
-    "float32" / "bfloat16": every weight dequantized to that dtype."""
+    "float32" / "bfloat16": every weight dequantized to that dtype. `quantization` (q4_0, q4_1,
+    q5_0, q8_0): a float checkpoint's linear weights and LM head quantized on load and run as a
+    GGUF's are (CPU, float32 activations)."""
     from specdecode.models.transformer import Transformer
 
+    if quantization is not None:
+        quantization = _check_quantization(path, quantization, dtype, device)
+        return Transformer.from_dir(path, torch.float32, device, quantization=quantization)
     if dtype == "auto":
         stored = source_gguf(path) if device.type == "cpu" else None
         return Transformer.from_dir(path, torch.float32, device, stored=stored)
     return Transformer.from_dir(path, resolve_dtype(dtype), device)
+
+
+def _check_quantization(path: Path, quantization: str, dtype: str | torch.dtype, device: torch.device) -> str:
+    """`quantization` in canonical form, or a SpecDecodeError saying why it cannot apply."""
+    name = str(quantization).lower()
+    if name not in QUANTIZATIONS:
+        raise SpecDecodeError(f"unknown quantization {quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
+    if device.type != "cpu":
+        raise SpecDecodeError(f"quantization={name} runs on the CPU kernels, not on {device}")
+    if dtype not in ("auto", "float32", torch.float32):
+        raise SpecDecodeError(f"quantization={name} computes in float32 (dtype auto or float32, not {dtype})")
+    if source_gguf(path) is not None:
+        raise SpecDecodeError(
+            f"quantization={name}: the model is a GGUF, already quantized (dtype auto runs it as stored)"
+        )
+    return name
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -237,25 +237,40 @@ class Transformer(nn.Module):
         """Hold the linear weights (and the LM head) of a GGUF as stored, in their block formats:
         `stored` maps Hugging Face names to (format, (rows, row_bytes) uint8 blocks), as
         `gguf.stored_weights` reads them. A layer whose parts are not all there stays float."""
-        cfg = self.config
 
         def hold(dense: Dense, names: list[str]) -> None:
             if all(n in stored for n in names):
                 parts = tuple(QuantPart(stored[n][0], torch.from_numpy(stored[n][1])) for n in names)
                 dense.load_quantized(QuantWeight(dense.weight_t.shape[0], parts))
 
-        for i, layer in enumerate(self.layers):
-            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-            hold(layer.qkv, [a + f"{n}_proj.weight" for n in "qkv"])
-            hold(layer.o, [a + "o_proj.weight"])
-            hold(layer.gate_up, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
-            hold(layer.down, [p + "mlp.down_proj.weight"])
-        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        for dense, names in self._linear_parts():
+            hold(dense, names)
+        head = self._head_name()
         if head in stored:  # the head reads the stored matrix; a tied embedding keeps its float copy
             if self.lm_head is None:
-                self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size).to(self.device)
+                self.lm_head = Dense(self.config.hidden_size, self.config.vocab_size).to(self.device)
                 self.head = LMHead(self.embed, self.lm_head)
             hold(self.lm_head, [head])
+
+    def _linear_parts(self) -> list[tuple[Dense, list[str]]]:
+        """Each layer's linear weights with the Hugging Face names of their parts."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            out += [
+                (layer.qkv, [a + f"{n}_proj.weight" for n in "qkv"]),
+                (layer.o, [a + "o_proj.weight"]),
+                (layer.gate_up, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                (layer.down, [p + "mlp.down_proj.weight"]),
+            ]
+        return out
+
+    def _head_name(self) -> str:
+        return "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+
+    def stored_names(self) -> list[str]:
+        """The Hugging Face names of the weights `load_stored` can hold as stored."""
+        return [n for _, names in self._linear_parts() for n in names] + [self._head_name()]
 
     @classmethod
     def from_dir(
@@ -264,13 +279,16 @@ class Transformer(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         stored: Path | None = None,
+        quantization: str | None = None,
     ) -> Transformer:
         """Load a Hugging Face model directory (config.json + *.safetensors). With `stored`, the
         GGUF file the directory was converted from, its quantized weights stay as stored (run in
-        float32 through the kernels' quantized products, or dequantized where there are none)."""
+        float32 through the kernels' quantized products, or dequantized where there are none).
+        With `quantization` (see `gguf.QUANTIZATIONS`), the float linear weights and LM head are
+        quantized on load and then held the same way."""
         from safetensors import safe_open
 
-        from specdecode.models.gguf import stored_weights
+        from specdecode.models.gguf import quantized_weights, stored_weights
 
         path = Path(path)
         config = ModelConfig.from_dir(path)
@@ -285,9 +303,12 @@ class Transformer(nn.Module):
             handles = [safe_open(str(f), framework="pt", device=str(device)) for f in files]
         except Exception as exc:  # safetensors raises several types for a damaged file
             raise SpecDecodeError(f"cannot read weights in {path}: {exc}") from None
+        tensors = _Tensors(handles, path)
         if stored is not None:
             model.load_stored(stored_weights(stored))
-        model.load_hf_state_dict(_Tensors(handles, path))
+        elif quantization is not None:
+            model.load_stored(quantized_weights(tensors, model.stored_names(), quantization))
+        model.load_hf_state_dict(tensors)
         model.bind_kernels()
         return model.eval()
 
