@@ -11,7 +11,9 @@ one `LLM` and runs `LLM.generate` (the batched engine) on the batches it is give
     for row in out.iter_rows(): print(row["generated_text"])
 
 Each output row is its input row plus `generated_text`, `num_generated_tokens`,
-`mean_accepted_length` (τ) and `decode_tokens_per_s`. Rows keep the order of the dataset.
+`mean_accepted_length` (τ) and `decode_tokens_per_s`. Rows come back as the workers finish their
+batches, as with any Ray Data transform: carry an id column to match them to their inputs (or set
+`ray.data.DataContext.get_current().execution_options.preserve_order = True`).
 """
 
 from __future__ import annotations
@@ -84,6 +86,6 @@ def generate_dataset(
         },
         batch_size=batch_size,
         batch_format="numpy",
-        concurrency=num_workers,
+        compute=ray.data.ActorPoolStrategy(size=num_workers),
         num_cpus=threads_per_worker,
     )
