@@ -17,6 +17,7 @@ from specdecode.errors import SpecDecodeError
 
 if TYPE_CHECKING:  # the heavy imports (torch) wait until a command needs them
     from specdecode.engine.config import EngineConfig
+    from specdecode.llm import LLM
     from specdecode.sampling import SamplingParams
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -204,20 +205,26 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     )
 
 
-def cmd_generate(args: argparse.Namespace) -> None:
+def _load_llm(args: argparse.Namespace, speculative: object) -> LLM:
+    """The `LLM` that `generate` and `serve` run, from their model flags."""
     from specdecode.llm import LLM
-    from specdecode.spec_config import parse_speculative
 
-    params = sampling_params(args)  # validate before the (slow) model load
-    spec = parse_speculative(speculative_settings(args))
-    llm = LLM(
+    return LLM(
         model=args.model,
         dtype=args.dtype,
         quantization=args.quantization,
         device=args.device,
-        speculative=spec,
+        speculative=speculative,
         num_threads=args.threads,
     )
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from specdecode.spec_config import parse_speculative
+
+    params = sampling_params(args)  # validate before the (slow) model load
+    spec = parse_speculative(speculative_settings(args))
+    llm = _load_llm(args, spec)
     prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     if args.stream and not args.json:
         for delta in llm.stream(prompt, params):
@@ -297,7 +304,6 @@ def _memory_size(text: str) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from specdecode.engine.config import EngineConfig
-    from specdecode.llm import LLM
     from specdecode.serving.server import serve
 
     config = EngineConfig(  # validate before the (slow) model load
@@ -312,14 +318,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if scale_out:
         _serve_on_ray(args, config)
         return
-    llm = LLM(
-        model=args.model,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        device=args.device,
-        speculative=config.speculative,
-        num_threads=args.threads,
-    )
+    llm = _load_llm(args, config.speculative)
     serve(llm, config, host=args.host, port=args.port, api_key=args.api_key)
 
 
