@@ -100,6 +100,10 @@ class SpeculationPolicy:
         self.overhead = 0.0  # seconds per step beyond the forward (running average)
 
     @property
+    def measured(self) -> bool:
+        return isinstance(self._curve, LatencyCurve)
+
+    @property
     def curve(self) -> LatencyCurve:
         if not isinstance(self._curve, LatencyCurve):
             self._curve = self._curve()
@@ -135,7 +139,7 @@ class SpeculationPolicy:
     def observe_step(self, seconds: float, tokens: int, draft_seconds: float) -> None:
         """Update the overhead estimate from a step that took `seconds` over `tokens` rows
         (nothing before the curve is measured: no budget was asked for yet)."""
-        if not isinstance(self._curve, LatencyCurve):
+        if not self.measured:
             return
         extra = max(0.0, seconds - self.curve(tokens) - draft_seconds)
         self.overhead += EMA * (extra - self.overhead)

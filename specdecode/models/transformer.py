@@ -51,6 +51,9 @@ class _Tensors(Mapping[str, torch.Tensor]):
         except Exception as exc:
             raise SpecDecodeError(f"cannot read weight {name} in {self._path}: {exc}") from None
 
+    def __contains__(self, name: object) -> bool:  # without reading the tensor, as Mapping's would
+        return name in self._where
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 
