@@ -40,32 +40,37 @@ def random_weight(fmt: str, rows: int, cols: int, seed: int) -> QuantWeight:
 
 @pytest.mark.parametrize("isa", isa_params())
 @pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
-def test_products_of_stored_weights(isa: str, fmt: str) -> None:
+@pytest.mark.parametrize("outputs", [37, 64])  # a unit of 32 outputs padded, and whole ones
+def test_products_of_stored_weights(isa: str, fmt: str, outputs: int) -> None:
     kernel = quant_kernel(isa)
     assert kernel is not None
-    weight = random_weight(fmt, 37, 512, seed=len(fmt))
-    reference = dequantize(weight)  # (in, out), by gguf-py
-    rows = kernel.rows(weight, torch.arange(37))
-    assert torch.equal(rows, reference.t())  # the same values, bitwise
-    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(1))
-    y = kernel.matmul(x, weight)
+    weight = kernel.pack(random_weight(fmt, outputs, 512, seed=len(fmt)))
+    reference = dequantize(random_weight(fmt, outputs, 512, seed=len(fmt)))  # (in, out), by gguf-py
+    assert torch.equal(kernel.rows(weight, torch.arange(outputs)), reference.t())  # the same values, bitwise
+    assert torch.equal(kernel.rows(weight, torch.tensor([outputs - 1, 3])), reference.t()[[outputs - 1, 3]])
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(1))
+    y = kernel.matmul(x, weight)  # 40 rows: through scratch
     want = x.double() @ reference.double()
     torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-6 * float(want.abs().max()))
-    for m in (1, 3, 4, 5):  # a row alone, in a partial row block and in a full one
-        assert torch.equal(kernel.matmul(x[:m], weight), y[:m])
-    assert torch.equal(torch.cat([kernel.matmul(x[i : i + 1], weight) for i in range(9)]), y)
+    # a row alone, in register blocks of each size, several passes of them, and through scratch
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 23):
+        assert torch.equal(kernel.matmul(x[:m], weight), y[:m]), m
+    assert torch.equal(torch.cat([kernel.matmul(x[i : i + 1], weight) for i in range(40)]), y)
 
 
 @pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
 def test_avx2_and_avx512_give_the_same_bits(fmt: str) -> None:
-    """Both builds keep the same 16 lanes of fused multiply-adds in the same order, so a model
-    decodes the same tokens on a CPU with AVX-512 and on one with only AVX2."""
+    """Both builds lay weights out alike and keep the same 16 lanes of fused multiply-adds in the
+    same order, so a model decodes the same tokens on a CPU with AVX-512 and on one with only AVX2."""
     wide, narrow = quant_kernel("avx512"), quant_kernel("avx2")
     if wide is None or narrow is None:
         pytest.skip("needs both the AVX-512 and the AVX2 build")
-    weight = random_weight(fmt, 21, 768, seed=7)
-    x = torch.randn(12, 768, generator=torch.Generator().manual_seed(2))
-    for m in (1, 2, 5, 12):  # in registers, a row at a time and together; through scratch
+    stored = random_weight(fmt, 21, 768, seed=7)
+    weight = wide.pack(stored)
+    again = narrow.pack(stored)
+    assert all(torch.equal(a.data, b.data) for a, b in zip(weight.parts, again.parts, strict=True))
+    x = torch.randn(24, 768, generator=torch.Generator().manual_seed(2))
+    for m in (1, 2, 5, 12, 24):  # in registers, a row at a time and together; through scratch
         assert torch.equal(wide.matmul(x[:m], weight), narrow.matmul(x[:m], weight))
 
 
@@ -73,12 +78,27 @@ def test_avx2_and_avx512_give_the_same_bits(fmt: str) -> None:
 def test_fused_parts_in_several_formats(isa: str) -> None:
     kernel = quant_kernel(isa)
     assert kernel is not None
-    parts = [random_weight(f, n, 256, seed=n) for f, n in (("Q8_0", 5), ("Q4_K", 7), ("Q6_K", 3))]
+    shapes = (("Q8_0", 5), ("Q4_K", 7), ("Q6_K", 3))
+    parts = [kernel.pack(random_weight(f, n, 256, seed=n)) for f, n in shapes]
     fused = QuantWeight(256, tuple(p.parts[0] for p in parts))
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
     bias = torch.randn(15)
     got = kernel.matmul(x, fused, bias)
     assert torch.equal(got, torch.cat([kernel.matmul(x, p) for p in parts], dim=1) + bias)
+    assert torch.equal(kernel.dequantize(fused), torch.cat([kernel.dequantize(p) for p in parts], dim=1))
+
+
+def test_a_kernel_takes_only_weights_in_its_layout() -> None:
+    kernel = select("cpu").quant
+    if kernel is None:
+        pytest.skip("no quantized kernels here (no C++ compiler, or SPECDECODE_CPU_ISA=off)")
+    stored = random_weight("Q4_0", 32, 64, seed=0)
+    with pytest.raises(ValueError, match="not laid out as gguf"):
+        kernel.matmul(torch.randn(1, 64), stored)
+    with pytest.raises(ValueError, match="cannot pack a weight laid out as"):
+        kernel.pack(kernel.pack(stored))
+    with pytest.raises(ValueError, match="gguf-py cannot read"):
+        dequantize(kernel.pack(stored))
 
 
 def test_forced_instruction_set_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,6 +25,7 @@ import torch
 
 from specdecode.errors import SpecDecodeError
 from specdecode.kernels.base import (
+    GGUF_LAYOUT,
     QUANT_FORMATS,
     AttendRows,
     Kernels,
@@ -37,6 +38,7 @@ from specdecode.kernels.reference import EXACT, REFERENCE, TORCH_LINEAR, dequant
 
 __all__ = [
     "EXACT",
+    "GGUF_LAYOUT",
     "QUANT_FORMATS",
     "REFERENCE",
     "TORCH_LINEAR",

@@ -119,26 +119,39 @@ QUANT_FORMATS = {  # name: (ggml type id, weights per block, bytes per block)
 }
 
 
+GGUF_LAYOUT = "gguf"  # blocks as a GGUF file stores them: one row of blocks per output
+
+
 @dataclass(frozen=True)
 class QuantPart:
-    """`data` (n, row_bytes) uint8: n output rows of a weight, each its input weights in the
-    blocks of `format` (one of QUANT_FORMATS), exactly as a GGUF file stores them."""
+    """`rows` output rows of a weight, each its input weights in the blocks of `format` (one of
+    QUANT_FORMATS): in `data` (uint8) as a GGUF file stores them ((rows, row_bytes), the layout
+    "gguf"), or laid out again by a kernel's `pack` (the layout it names) with the same quants and
+    scales. `rows` may be left out for the GGUF layout."""
 
     format: str
     data: Tensor
+    layout: str = GGUF_LAYOUT
+    rows: int = -1
 
-    @property
-    def rows(self) -> int:
-        return int(self.data.shape[0])
+    def __post_init__(self) -> None:
+        if self.rows < 0:
+            if self.layout != GGUF_LAYOUT:
+                raise ValueError(f"a {self.layout} part needs its number of rows")
+            object.__setattr__(self, "rows", int(self.data.shape[0]))
 
 
 @dataclass(frozen=True)
 class QuantWeight:
     """A linear weight (in_features -> the parts' rows, stacked) kept as stored. A fused matrix
-    (q|k|v) may have parts in different formats, as a GGUF's tensors may."""
+    (q|k|v) may have parts in different formats, as a GGUF's tensors may; all in one layout."""
 
     in_features: int
     parts: tuple[QuantPart, ...]
+
+    @property
+    def layout(self) -> str:
+        return self.parts[0].layout
 
     @functools.cached_property
     def out_features(self) -> int:
@@ -163,10 +176,17 @@ class QuantWeight:
 
 class QuantKernel(Protocol):
     """Products with weights kept in GGUF block formats: float32 activations and sums, each block
-    dequantized in registers to exactly the values gguf-py's dequantization gives."""
+    dequantized in registers to exactly the values gguf-py's dequantization gives. A weight is
+    laid out once in the kernel's `layout` (`pack`, when a model is loaded); every other method
+    takes it that way."""
 
     name: str
+    layout: str
     formats: frozenset[str]
+
+    def pack(self, weight: QuantWeight) -> QuantWeight:
+        """A weight in the GGUF layout -> the same quants and scales in the kernel's layout."""
+        ...
 
     def matmul(self, x: Tensor, weight: QuantWeight, bias: Tensor | None = None) -> Tensor:
         """x (M, in) float32 -> (M, out) float32."""
@@ -174,4 +194,8 @@ class QuantKernel(Protocol):
 
     def rows(self, weight: QuantWeight, ids: Tensor) -> Tensor:
         """Output rows `ids` (n,) of the weight, dequantized: (n, in) float32 (embedding lookup)."""
+        ...
+
+    def dequantize(self, weight: QuantWeight) -> Tensor:
+        """The whole weight dequantized, (in, out) float32."""
         ...

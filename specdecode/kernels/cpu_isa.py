@@ -38,10 +38,14 @@ def library(isa: str) -> ctypes.CDLL | None:
     cannot run it)."""
     if not build.isa_runs_here(isa):
         return None
-    lib = build.load(f"cpu-{isa}", _SOURCES, ("-ffp-contract=fast", *_BUILDS[isa]))
+    lib = build.load(f"cpu-{isa}", _SOURCES, ("-std=c++20", "-ffp-contract=fast", *_BUILDS[isa]))
     if lib is None:
         return None
     p, i, f, n = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    lib.specdecode_qpacked_bytes.argtypes = [n, i, i]
+    lib.specdecode_qpacked_bytes.restype = i
+    lib.specdecode_qpack.argtypes = [n, p, i, i, p]
+    lib.specdecode_qpack.restype = n
     lib.specdecode_qmm.argtypes = [n, p, i, i, p, i, p, i, n]
     lib.specdecode_qmm.restype = n
     lib.specdecode_qrows.argtypes = [n, p, i, p, i, p]

@@ -1,23 +1,30 @@
 // y (M, N) = x (M, K) @ W^T for weights kept in GGUF's block formats, on any CPU.
 //
-// W is N rows of K weights, each row a run of blocks exactly as the GGUF file stores them
-// (Q4_0, Q4_1, Q5_0, Q8_0: 32 weights a block; Q4_K, Q6_K: 256, in eight groups of 32). Every
-// format decodes a group of 32 weights into two vectors of 16 float lanes (V below).
+// W is N rows of K weights in one of GGUF's block formats (Q4_0, Q4_1, Q5_0, Q8_0: 32 weights a
+// block; Q4_K, Q6_K: 256, in eight groups of 32). When a model loads, `specdecode_qpack` lays
+// each weight out again in *tiles* of 16 rows of W (16 outputs) side by side: the same bits per
+// weight (the same quants and scales; Q4_K's packed scales take 2.8% more), interleaved so that
+// one step of a group decodes weight k of all 16 outputs into the 16 float lanes of lanes.h.
+// A product then broadcasts x[k] and multiplies it into the 16 outputs at once: no horizontal
+// sums, x read once per tile rather than once per output, and a block's scales converted once
+// for its 16 outputs. (Laid out as stored, decoding a block one output at a time took ~3.6
+// cycles a group of 32, against ~2.7 here, and re-reading x for every output bound several rows
+// by cache bandwidth.)
 //
-// Two ways through, with the same arithmetic:
-// - few rows of x (decoding a token, verifying a draft): each group of 32 weights is decoded in
-//   registers and multiplied straight into every row of x, so a weight is read and decoded once
-//   per forward and never stored;
-// - many rows (prefill): a thread decodes a few weight rows into float32 scratch (they stay in
-//   L1 or L2), then runs every row of x over them.
+// A group of 32 weights of a tile is decoded in 16 steps; step j gives weights k = 32g + j (lo)
+// and k = 32g + 16 + j (hi) of the 16 outputs, each dequantized as fma(q, a, b) with the
+// group's scales: exactly gguf-py's dequantized values (every product of a scale and a quant is
+// exact in float32, so one rounding, as numpy's). Each output of each row is two sums: lo over
+// the weights at k mod 32 < 16 and hi over the others, each a chain of fused multiply-adds in
+// ascending k; then lo + hi. That order is the same whatever the number of rows, the path and
+// the build, so a row's result is bitwise the same alone or in any batch, and every build with
+// FMA (AVX-512, AVX2) gives the same bits.
 //
-// Dequantized values are those of gguf-py's `dequantize` (each product of a scale and a quantized
-// integer below is exact in float32). Each output is two sums kept in 16 float lanes (lanes.h),
-// over the first and the second halves of the groups of 32 (two independent chains of fused
-// multiply-adds, so one row is not bound by their latency), lane j taking k = j mod 16 in
-// ascending k; the two are added and the lanes folded in a fixed order. Both ways,
-// every build with FMA (AVX-512, AVX2) and any batch give the same sums: a row's result is
-// bitwise the same alone or with other rows, and on AVX-512 or AVX2.
+// Two paths with that arithmetic:
+// - few rows of x (decoding a token, verifying a draft): each step's weights are decoded in
+//   registers and used for every row, so a weight is read and decoded once per forward;
+// - many rows (prefill): a thread decodes a tile into float32 scratch (in L1 or L2), then runs
+//   the rows over it in register blocks.
 //
 // The same source is built once per instruction set: AVX-512, AVX2 + FMA + F16C, and a portable
 // build whose plain loops the compiler vectorizes for its target (SSE2 on x86, NEON on ARM).
@@ -33,37 +40,90 @@ namespace {
 
 using namespace lanes;
 
-// Per build: G weight rows decoded into scratch together and SR rows of x per pass over them;
-// up to DIRECT rows of x decode in registers instead, RMAX rows per decode.
+// ---- 16 int32 lanes, for decoding quants ---------------------------------------------------------
 #if defined(__AVX512F__)
-constexpr int G = 4, SR = 4, DIRECT = 8, RMAX = 4;
-
-inline V scaled(__m128i q, float s, float a) {  // 16 int8 lanes -> float(q) * s + a
-    return {_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(s), _mm512_set1_ps(a))};
+struct VI {
+    __m512i v;
+};
+inline VI u8_lanes(const uint8_t* p) { return {_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+inline VI i8_lanes(const uint8_t* p) { return {_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+inline VI u32_lanes(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+inline VI and_(VI a, int m) { return {_mm512_and_si512(a.v, _mm512_set1_epi32(m))}; }
+inline VI or_(VI a, VI b) { return {_mm512_or_si512(a.v, b.v)}; }
+inline VI shr(VI a, int n) { return {_mm512_srli_epi32(a.v, n)}; }
+inline VI shl(VI a, int n) { return {_mm512_slli_epi32(a.v, n)}; }
+inline V to_float(VI a) { return {_mm512_cvtepi32_ps(a.v)}; }
+inline V halves(const uint8_t* p) {  // 16 IEEE binary16 -> float32 (exact)
+    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
 }
 #elif defined(__AVX2__)
-constexpr int G = 2, SR = 2, DIRECT = 8, RMAX = 4;
-
-inline V scaled(__m128i q, float s, float a) {
-    const __m256 S = _mm256_set1_ps(s), A = _mm256_set1_ps(a);
-    return {_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), S, A),
-            _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), S, A)};
+struct VI {
+    __m256i lo, hi;
+};
+inline __m128i load8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+inline VI u8_lanes(const uint8_t* p) { return {_mm256_cvtepu8_epi32(load8(p)), _mm256_cvtepu8_epi32(load8(p + 8))}; }
+inline VI i8_lanes(const uint8_t* p) { return {_mm256_cvtepi8_epi32(load8(p)), _mm256_cvtepi8_epi32(load8(p + 8))}; }
+inline VI u32_lanes(const uint8_t* p) {
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+inline VI and_(VI a, int m) {
+    const __m256i k = _mm256_set1_epi32(m);
+    return {_mm256_and_si256(a.lo, k), _mm256_and_si256(a.hi, k)};
+}
+inline VI or_(VI a, VI b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+inline VI shr(VI a, int n) { return {_mm256_srli_epi32(a.lo, n), _mm256_srli_epi32(a.hi, n)}; }
+inline VI shl(VI a, int n) { return {_mm256_slli_epi32(a.lo, n), _mm256_slli_epi32(a.hi, n)}; }
+inline V to_float(VI a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+inline V halves(const uint8_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
 }
 #else
-constexpr int G = 2, SR = 1, DIRECT = 2, RMAX = 1;
-
-inline V scaled(const int8_t* q, float s, float a) {
+struct VI {
+    int32_t i[16];
+};
+inline VI u8_lanes(const uint8_t* p) {
+    VI r;
+    for (int j = 0; j < 16; ++j) r.i[j] = p[j];
+    return r;
+}
+inline VI i8_lanes(const uint8_t* p) {
+    VI r;
+    for (int j = 0; j < 16; ++j) r.i[j] = int8_t(p[j]);
+    return r;
+}
+inline VI u32_lanes(const uint8_t* p) {
+    VI r;
+    std::memcpy(r.i, p, sizeof(r.i));
+    return r;
+}
+inline VI and_(VI a, int m) {
+    for (int32_t& v : a.i) v &= m;
+    return a;
+}
+inline VI or_(VI a, VI b) {
+    for (int j = 0; j < 16; ++j) a.i[j] |= b.i[j];
+    return a;
+}
+inline VI shr(VI a, int n) {
+    for (int32_t& v : a.i) v = int32_t(uint32_t(v) >> n);
+    return a;
+}
+inline VI shl(VI a, int n) {
+    for (int32_t& v : a.i) v = int32_t(uint32_t(v) << n);
+    return a;
+}
+inline V to_float(VI a) {
     V r;
-    for (int j = 0; j < 16; ++j) r.f[j] = float(q[j]) * s + a;
+    for (int j = 0; j < 16; ++j) r.f[j] = float(a.i[j]);
     return r;
 }
 #endif
 
+#if !defined(__AVX2__)
 float half(const uint8_t* p) {  // IEEE binary16, little-endian, to float32 (exact)
     const uint16_t h = uint16_t(p[0] | p[1] << 8);
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
     const uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
     uint32_t bits;
     if (exp == 0x1f) {
@@ -84,353 +144,432 @@ float half(const uint8_t* p) {  // IEEE binary16, little-endian, to float32 (exa
     float f;
     std::memcpy(&f, &bits, 4);
     return f;
-#endif
 }
 
-// ---- the formats: group `g` of a block -> its 32 weights as lo (first 16) and hi --------------
+inline V halves(const uint8_t* p) {
+    V r;
+    for (int j = 0; j < 16; ++j) r.f[j] = half(p + 2 * j);
+    return r;
+}
+#endif
+
+// ---- the formats ------------------------------------------------------------------------------
 // ggml's type ids (ggml.h), the formats we read.
 enum Format : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+constexpr int TILE = 16;  // outputs a tile holds side by side
 
-#if defined(__AVX2__)
-inline __m128i low_nibbles(__m128i q) { return _mm_and_si128(q, _mm_set1_epi8(0x0f)); }
-inline __m128i high_nibbles(__m128i q) { return _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0f)); }
-inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
-inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// Each format: `weights` and `bytes` of a GGUF block; `packed`, the bytes of a tile's block (16
+// outputs' blocks, laid out again by `pack`, which takes the 16 outputs' GGUF blocks); `Group`,
+// what a group of 32 of a tile's block needs to be decoded (its scales a, b for the lo and hi
+// halves, made by `group`), and `step`, the quants of step j (lo and hi) as 16 int32 lanes.
+// Nibble formats keep GGUF's own byte of step j: weight j in the low nibble, j + 16 in the high.
 
-// 32 bits -> 32 bytes, byte j 0x10 where bit j is set (Q5_0's fifth bits).
-inline __m256i fifth_bits(uint32_t bits) {
-    const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
-                                          3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i mask = _mm256_set1_epi64x(0x8040201008040201LL);
-    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)), shuf);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, mask), mask), _mm256_set1_epi8(0x10));
-}
-
-#if defined(__AVX512F__)
-// 4-bit formats on AVX-512: a block's 16 possible weights are computed once (a table in one
-// register, by the same fused multiply-add as weight by weight), then each weight is a lookup by
-// its nibble (vpermps reads an index's low four bits): half the instructions of converting
-// every nibble to float and scaling it.
-inline __m512 iota() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
-
-// 16 bytes -> lo: the tables' entries at their low nibbles, hi: at their high nibbles.
-inline void look_up(const uint8_t* q, __m512 table, V& lo, V& hi) {
-    const __m512i idx = _mm512_cvtepu8_epi32(load16(q));
-    lo = {_mm512_permutexvar_ps(idx, table)};
-    hi = {_mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table)};
-}
-
-struct Q4_0_ {
-    static constexpr int weights = 32, bytes = 18;
-    static void group(const uint8_t* b, int, V& lo, V& hi) {  // d, 16 bytes of nibble pairs
-        const __m512 table = _mm512_fmadd_ps(_mm512_sub_ps(iota(), _mm512_set1_ps(8.0f)), _mm512_set1_ps(half(b)),
-                                             _mm512_setzero_ps());
-        look_up(b + 2, table, lo, hi);
-    }
-};
-
-struct Q4_1_ {
-    static constexpr int weights = 32, bytes = 20;
-    static void group(const uint8_t* b, int, V& lo, V& hi) {  // d, m, nibbles
-        uint32_t dm;
-        std::memcpy(&dm, b, 4);
-        const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(int(dm)));  // d, m, 0, 0
-        const __m512 table =
-            _mm512_fmadd_ps(iota(), _mm512_broadcastss_ps(f), _mm512_broadcastss_ps(_mm_movehdup_ps(f)));
-        look_up(b + 4, table, lo, hi);
-    }
-};
-#else
-struct Q4_0_ {
-    static constexpr int weights = 32, bytes = 18;
-    static void group(const uint8_t* b, int, V& lo, V& hi) {  // d, 16 bytes of nibble pairs
-        const float d = half(b);
-        const __m128i q = load16(b + 2), eight = _mm_set1_epi8(8);
-        lo = scaled(_mm_sub_epi8(low_nibbles(q), eight), d, 0.0f);
-        hi = scaled(_mm_sub_epi8(high_nibbles(q), eight), d, 0.0f);
-    }
-};
-
-struct Q4_1_ {
-    static constexpr int weights = 32, bytes = 20;
-    static void group(const uint8_t* b, int, V& lo, V& hi) {  // d, m, nibbles
-        const float d = half(b), m = half(b + 2);
-        const __m128i q = load16(b + 4);
-        lo = scaled(low_nibbles(q), d, m);
-        hi = scaled(high_nibbles(q), d, m);
-    }
-};
-
-#endif
-
-struct Q5_0_ {
-    static constexpr int weights = 32, bytes = 22;
-    static void group(const uint8_t* b, int, V& lo, V& hi) {  // d, 32 fifth bits, nibbles
-        const float d = half(b);
-        uint32_t bits;
-        std::memcpy(&bits, b + 2, 4);
-        const __m256i h = fifth_bits(bits);
-        const __m128i q = load16(b + 6), sixteen = _mm_set1_epi8(16);
-        lo = scaled(_mm_sub_epi8(_mm_or_si128(low_nibbles(q), _mm256_castsi256_si128(h)), sixteen), d, 0.0f);
-        hi = scaled(_mm_sub_epi8(_mm_or_si128(high_nibbles(q), _mm256_extracti128_si256(h, 1)), sixteen), d, 0.0f);
-    }
-};
-
-struct Q8_0_ {
-    static constexpr int weights = 32, bytes = 34;
-    static void group(const uint8_t* b, int, V& lo, V& hi) {  // d, 32 int8
-        const float d = half(b);
-        lo = scaled(load16(b + 2), d, 0.0f);
-        hi = scaled(load16(b + 18), d, 0.0f);
-    }
-};
-#else  // portable: plain loops over 32 int8 lanes
-
-struct Q4_0_ {
-    static constexpr int weights = 32, bytes = 18;
-    static void group(const uint8_t* b, int, V& lo, V& hi) {
-        const float d = half(b);
-        const uint8_t* q = b + 2;
-        int8_t v[32];
-        for (int j = 0; j < 16; ++j) v[j] = int8_t((q[j] & 0xf) - 8), v[j + 16] = int8_t((q[j] >> 4) - 8);
-        lo = scaled(v, d, 0.0f);
-        hi = scaled(v + 16, d, 0.0f);
-    }
-};
-
-struct Q4_1_ {
-    static constexpr int weights = 32, bytes = 20;
-    static void group(const uint8_t* b, int, V& lo, V& hi) {
-        const float d = half(b), m = half(b + 2);
-        const uint8_t* q = b + 4;
-        int8_t v[32];
-        for (int j = 0; j < 16; ++j) v[j] = int8_t(q[j] & 0xf), v[j + 16] = int8_t(q[j] >> 4);
-        lo = scaled(v, d, m);
-        hi = scaled(v + 16, d, m);
-    }
-};
-
-struct Q5_0_ {
-    static constexpr int weights = 32, bytes = 22;
-    static void group(const uint8_t* b, int, V& lo, V& hi) {
-        const float d = half(b);
-        uint32_t bits;
-        std::memcpy(&bits, b + 2, 4);
-        const uint8_t* q = b + 6;
-        int8_t v[32];
-        for (int j = 0; j < 16; ++j) {
-            v[j] = int8_t(int((q[j] & 0xf) | (((bits >> j) & 1) << 4)) - 16);
-            v[j + 16] = int8_t(int((q[j] >> 4) | (((bits >> (j + 16)) & 1) << 4)) - 16);
+struct Q4_0_ {  // d (16 x fp16), then 16 steps x 16 bytes of nibble pairs
+    static constexpr int weights = 32, bytes = 18, packed = TILE * bytes;
+    static void pack(const uint8_t* const* src, uint8_t* dst) {
+        for (int c = 0; c < TILE; ++c) {
+            std::memcpy(dst + 2 * c, src[c], 2);
+            for (int j = 0; j < 16; ++j) dst[32 + 16 * j + c] = src[c][2 + j];
         }
-        lo = scaled(v, d, 0.0f);
-        hi = scaled(v + 16, d, 0.0f);
+    }
+    struct Group {
+        V a, b;
+        const uint8_t* q;
+    };
+    static Group group(const uint8_t* t, int) {
+        const V d = halves(t);
+        return {d, mul(d, set1(-8.0f)), t + 32};  // d (q - 8) = fma(q, d, -8 d): exact
+    }
+    static void step(const Group& g, int j, V& lo, V& hi) {
+        const VI v = u8_lanes(g.q + 16 * j);
+        lo = fma(to_float(and_(v, 15)), g.a, g.b);
+        hi = fma(to_float(shr(v, 4)), g.a, g.b);
     }
 };
 
-struct Q8_0_ {
-    static constexpr int weights = 32, bytes = 34;
-    static void group(const uint8_t* b, int, V& lo, V& hi) {
-        const float d = half(b);
-        const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
-        lo = scaled(q, d, 0.0f);
-        hi = scaled(q + 16, d, 0.0f);
+struct Q4_1_ {  // d, m (16 x fp16 each), nibble pairs
+    static constexpr int weights = 32, bytes = 20, packed = TILE * bytes;
+    static void pack(const uint8_t* const* src, uint8_t* dst) {
+        for (int c = 0; c < TILE; ++c) {
+            std::memcpy(dst + 2 * c, src[c], 2);
+            std::memcpy(dst + 32 + 2 * c, src[c] + 2, 2);
+            for (int j = 0; j < 16; ++j) dst[64 + 16 * j + c] = src[c][4 + j];
+        }
+    }
+    struct Group {
+        V a, b;
+        const uint8_t* q;
+    };
+    static Group group(const uint8_t* t, int) { return {halves(t), halves(t + 32), t + 64}; }
+    static void step(const Group& g, int j, V& lo, V& hi) {
+        const VI v = u8_lanes(g.q + 16 * j);
+        lo = fma(to_float(and_(v, 15)), g.a, g.b);
+        hi = fma(to_float(shr(v, 4)), g.a, g.b);
     }
 };
-#endif
 
+struct Q5_0_ {  // d, the fifth bits (16 x uint32: bit k of output c), nibble pairs
+    static constexpr int weights = 32, bytes = 22, packed = TILE * bytes;
+    static void pack(const uint8_t* const* src, uint8_t* dst) {
+        for (int c = 0; c < TILE; ++c) {
+            std::memcpy(dst + 2 * c, src[c], 2);
+            std::memcpy(dst + 32 + 4 * c, src[c] + 2, 4);
+            for (int j = 0; j < 16; ++j) dst[96 + 16 * j + c] = src[c][6 + j];
+        }
+    }
+    struct Group {
+        V a, b;
+        VI h;
+        const uint8_t* q;
+    };
+    static Group group(const uint8_t* t, int) {
+        const V d = halves(t);
+        return {d, mul(d, set1(-16.0f)), u32_lanes(t + 32), t + 96};
+    }
+    static void step(const Group& g, int j, V& lo, V& hi) {
+        const VI v = u8_lanes(g.q + 16 * j);
+        lo = fma(to_float(or_(and_(v, 15), shl(and_(shr(g.h, j), 1), 4))), g.a, g.b);
+        hi = fma(to_float(or_(shr(v, 4), shl(and_(shr(g.h, j + 16), 1), 4))), g.a, g.b);
+    }
+};
+
+struct Q8_0_ {  // d, then 16 steps x (16 int8 at j, 16 at j + 16)
+    static constexpr int weights = 32, bytes = 34, packed = TILE * bytes;
+    static void pack(const uint8_t* const* src, uint8_t* dst) {
+        for (int c = 0; c < TILE; ++c) {
+            std::memcpy(dst + 2 * c, src[c], 2);
+            for (int j = 0; j < 16; ++j) {
+                dst[32 + 32 * j + c] = src[c][2 + j];
+                dst[32 + 32 * j + 16 + c] = src[c][2 + 16 + j];
+            }
+        }
+    }
+    struct Group {
+        V a, b;
+        const uint8_t* q;
+    };
+    static Group group(const uint8_t* t, int) { return {halves(t), zero(), t + 32}; }
+    static void step(const Group& g, int j, V& lo, V& hi) {
+        lo = fma(to_float(i8_lanes(g.q + 32 * j)), g.a, g.b);
+        hi = fma(to_float(i8_lanes(g.q + 32 * j + 16)), g.a, g.b);
+    }
+};
+
+// Q4_K's 6-bit scale and min of group g (0..7) from the block's 12 scale bytes.
+inline void q4_k_scale(const uint8_t* s, int g, int& sc, int& mn) {
+    if (g < 4) {
+        sc = s[g] & 63;
+        mn = s[g + 4] & 63;
+    } else {
+        sc = (s[g + 4] & 0xf) | ((s[g - 4] >> 6) << 4);
+        mn = (s[g + 4] >> 4) | ((s[g] >> 6) << 4);
+    }
+}
+
+// d, dmin (16 x fp16 each); per group of 32: scales (16 bytes), mins (16 bytes), nibble pairs.
+// GGUF keeps groups 2i and 2i + 1 as the low and high nibbles of the same 32 bytes; here each
+// group has its own, paired as the other formats' (weights j and j + 16 in a byte).
 struct Q4_K_ {
-    static constexpr int weights = 256, bytes = 144;
-    // d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles (groups 2i and 2i + 1 are
-    // the low and high nibbles of the same 32 bytes)
-    static void group(const uint8_t* b, int g, V& lo, V& hi) {
-        const uint8_t* s = b + 4;
-        int sc, mn;
-        if (g < 4) {
-            sc = s[g] & 63;
-            mn = s[g + 4] & 63;
-        } else {
-            sc = (s[g + 4] & 0xf) | ((s[g - 4] >> 6) << 4);
-            mn = (s[g + 4] >> 4) | ((s[g] >> 6) << 4);
+    static constexpr int weights = 256, bytes = 144, group_bytes = 32 + 256, packed = 64 + 8 * group_bytes;
+    static void pack(const uint8_t* const* src, uint8_t* dst) {
+        for (int c = 0; c < TILE; ++c) {
+            const uint8_t* b = src[c];
+            std::memcpy(dst + 2 * c, b, 2);
+            std::memcpy(dst + 32 + 2 * c, b + 2, 2);
+            for (int g = 0; g < 8; ++g) {
+                uint8_t* o = dst + 64 + g * group_bytes;
+                int sc, mn;
+                q4_k_scale(b + 4, g, sc, mn);
+                o[c] = uint8_t(sc);
+                o[16 + c] = uint8_t(mn);
+                const uint8_t* q = b + 16 + (g / 2) * 32;
+                for (int j = 0; j < 16; ++j) {
+                    const int lo = (g & 1) ? q[j] >> 4 : q[j] & 0xf;
+                    const int hi = (g & 1) ? q[j + 16] >> 4 : q[j + 16] & 0xf;
+                    o[32 + 16 * j + c] = uint8_t(lo | hi << 4);
+                }
+            }
         }
-        const float scale = half(b) * float(sc), offset = half(b + 2) * float(mn);
-        const uint8_t* q = b + 16 + (g / 2) * 32;
-#if defined(__AVX512F__)
-        const __m512 table = _mm512_fmadd_ps(iota(), _mm512_set1_ps(scale), _mm512_set1_ps(-offset));
-        __m512i a = _mm512_cvtepu8_epi32(load16(q)), c = _mm512_cvtepu8_epi32(load16(q + 16));
-        if (g & 1) {
-            a = _mm512_srli_epi32(a, 4);
-            c = _mm512_srli_epi32(c, 4);
-        }
-        lo = {_mm512_permutexvar_ps(a, table)};
-        hi = {_mm512_permutexvar_ps(c, table)};
-#elif defined(__AVX2__)
-        const __m128i a = load16(q), c = load16(q + 16);
-        lo = scaled((g & 1) ? high_nibbles(a) : low_nibbles(a), scale, -offset);
-        hi = scaled((g & 1) ? high_nibbles(c) : low_nibbles(c), scale, -offset);
-#else
-        int8_t v[32];
-        for (int l = 0; l < 32; ++l) v[l] = int8_t((g & 1) ? (q[l] >> 4) : (q[l] & 0xf));
-        lo = scaled(v, scale, -offset);
-        hi = scaled(v + 16, scale, -offset);
-#endif
+    }
+    struct Group {
+        V a, b;
+        const uint8_t* q;
+    };
+    // d sc q - dmin mn = fma(q, d sc, -(dmin mn)): both products exact (fp16 by 6 bits)
+    static Group group(const uint8_t* t, int g) {
+        const uint8_t* o = t + 64 + g * group_bytes;
+        const V a = mul(halves(t), to_float(u8_lanes(o)));
+        const V b = mul(sub(zero(), halves(t + 32)), to_float(u8_lanes(o + 16)));
+        return {a, b, o + 32};
+    }
+    static void step(const Group& g, int j, V& lo, V& hi) {
+        const VI v = u8_lanes(g.q + 16 * j);
+        lo = fma(to_float(and_(v, 15)), g.a, g.b);
+        hi = fma(to_float(shr(v, 4)), g.a, g.b);
     }
 };
 
+// d (16 x fp16); per group of 32: int8 scales of its two halves (16 + 16 bytes), low nibble
+// pairs (256 bytes), then the top two bits: 8 rows of 16 bytes, row i holding weights i, i + 16,
+// i + 8, i + 24 in bit pairs 0, 1, 2, 3.
 struct Q6_K_ {
-    static constexpr int weights = 256, bytes = 210;
-    // 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d. Group g: half h = g / 4
-    // of 128 weights, part p = g % 4 of it; lane l takes the low (p < 2) or high nibble of
-    // ql[l + 32 (p & 1)] and bits 2p, 2p + 1 of qh[l]; lanes 0-15 and 16-31 have a scale each.
-    static void group(const uint8_t* b, int g, V& lo, V& hi) {
-        const int h = g / 4, p = g % 4;
-        const uint8_t* ql = b + 64 * h + 32 * (p & 1);
-        const uint8_t* qh = b + 128 + 32 * h;
-        const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * h + 2 * p;
-        const float d = half(b + 208);
-#if defined(__AVX2__)
-        const __m256i mask = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3);
-        __m256i low = load32(ql);
-        if (p >= 2) low = _mm256_srli_epi16(low, 4);
-        low = _mm256_and_si256(low, mask);
-        const __m256i top = _mm256_and_si256(_mm256_srl_epi16(load32(qh), _mm_cvtsi32_si128(2 * p)), three);
-        const __m256i v = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(top, 4)), _mm256_set1_epi8(32));
-        lo = scaled(_mm256_castsi256_si128(v), d * float(sc[0]), 0.0f);
-        hi = scaled(_mm256_extracti128_si256(v, 1), d * float(sc[1]), 0.0f);
-#else
-        int8_t v[32];
-        for (int l = 0; l < 32; ++l) {
-            const int nib = p < 2 ? (ql[l] & 0xf) : (ql[l] >> 4);
-            v[l] = int8_t((nib | (((qh[l] >> (2 * p)) & 3) << 4)) - 32);
+    static constexpr int weights = 256, bytes = 210, group_bytes = 32 + 256 + 128, packed = 32 + 8 * group_bytes;
+    static void pack(const uint8_t* const* src, uint8_t* dst) {
+        for (int c = 0; c < TILE; ++c) {
+            const uint8_t* b = src[c];
+            std::memcpy(dst + 2 * c, b + 208, 2);
+            int q[256];  // 0..63, in GGUF's order (ggml's dequantize_row_q6_K)
+            for (int h = 0; h < 2; ++h) {
+                const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+                for (int l = 0; l < 32; ++l) {
+                    q[128 * h + l] = (ql[l] & 0xf) | ((qh[l] & 3) << 4);
+                    q[128 * h + l + 32] = (ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4);
+                    q[128 * h + l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                    q[128 * h + l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+                }
+            }
+            for (int g = 0; g < 8; ++g) {
+                uint8_t* o = dst + 32 + g * group_bytes;
+                const int* w = q + 32 * g;
+                o[c] = b[192 + 2 * g];
+                o[16 + c] = b[192 + 2 * g + 1];
+                for (int j = 0; j < 16; ++j) o[32 + 16 * j + c] = uint8_t((w[j] & 0xf) | (w[j + 16] & 0xf) << 4);
+                for (int i = 0; i < 8; ++i)
+                    o[288 + 16 * i + c] =
+                        uint8_t(w[i] >> 4 | (w[i + 16] >> 4) << 2 | (w[i + 8] >> 4) << 4 | (w[i + 24] >> 4) << 6);
+            }
         }
-        lo = scaled(v, d * float(sc[0]), 0.0f);
-        hi = scaled(v + 16, d * float(sc[1]), 0.0f);
-#endif
+    }
+    struct Group {
+        V a_lo, b_lo, a_hi, b_hi;
+        const uint8_t* q;
+    };
+    // d sc (q - 32) = fma(q, d sc, -32 d sc): d sc exact (fp16 by int8), and so is -32 d sc
+    static Group group(const uint8_t* t, int g) {
+        const uint8_t* o = t + 32 + g * group_bytes;
+        const V d = halves(t);
+        const V a_lo = mul(d, to_float(i8_lanes(o))), a_hi = mul(d, to_float(i8_lanes(o + 16)));
+        return {a_lo, mul(a_lo, set1(-32.0f)), a_hi, mul(a_hi, set1(-32.0f)), o + 32};
+    }
+    static void step(const Group& g, int j, V& lo, V& hi) {
+        const VI v = u8_lanes(g.q + 16 * j);
+        const VI top = shr(u8_lanes(g.q + 256 + 16 * (j & 7)), j < 8 ? 0 : 4);
+        lo = fma(to_float(or_(and_(v, 15), shl(and_(top, 3), 4))), g.a_lo, g.b_lo);
+        hi = fma(to_float(or_(shr(v, 4), shl(and_(shr(top, 2), 3), 4))), g.a_hi, g.b_hi);
     }
 };
 
 // ---- products ---------------------------------------------------------------------------------
+// A unit is two tiles (32 outputs) with their blocks interleaved: block b of the first tile, block
+// b of the second, then block b + 1: the pair is read as one stream. (Two tiles a few KB apart,
+// read side by side, halved the memory bandwidth a row of x got.)
+constexpr int UNIT = 2 * TILE;
 
-// Few rows: y[r * ldy] for the R rows of x (R, K) over one weight row w: each group of 32
-// weights is decoded once, in registers, for all R rows. (One weight row at a time: decoding
-// several rows together, to share the loads of x, read memory as several interleaved streams
-// and ran up to 1.4x slower a token in the model.)
+// Per build: up to FEW rows of x decode a unit in registers, R <= FR rows at a time (2 R x 2
+// accumulators, within the registers: 32 zmm, 16 ymm); more rows decode a unit into scratch and
+// run SR rows at a time over it.
+#if defined(__AVX512F__)
+constexpr int FEW = 16, FR = 4, SR = 6;
+#elif defined(__AVX2__)
+constexpr int FEW = 8, FR = 2, SR = 2;
+#else
+constexpr int FEW = 2, FR = 1, SR = 1;
+#endif
+
+// Ask for the bytes PREFETCH past [p, p + n) now: the hardware's own prefetching, one stream per
+// thread, left a row of x at ~30 GB/s of weights on two cores where ~40 are had with this.
+constexpr int PREFETCH = 4096;
+// (An asm statement on x86: GCC took __builtin_prefetch as a reason to store the accumulators
+// to memory at every step.)
+inline void prefetch_ahead(const uint8_t* p, int n) {
+    for (int i = 0; i < n; i += 64) {
+#if defined(__x86_64__)
+        __asm__("prefetcht0 %0" : : "m"(p[PREFETCH + i]));
+#else
+        __builtin_prefetch(p + PREFETCH + i);
+#endif
+    }
+}
+
+// y[n] for the unit's outputs n < `valid`: its two tiles' sums (lo + hi each).
+inline void store(V first, V second, float* y, int valid) {
+    if (valid == UNIT) {
+        storev(y, first);
+        storev(y + TILE, second);
+    } else {
+        float tmp[UNIT];
+        storev(tmp, first);
+        storev(tmp + TILE, second);
+        std::memcpy(y, tmp, sizeof(float) * valid);
+    }
+}
+
+// R rows of x (R, K) over a unit, its weights decoded in registers, each step used by every row.
 template <class F, int R>
-void direct(const float* x, int64_t K, const uint8_t* w, float* y, int64_t ldy) {
+__attribute__((noinline)) void few_rows(const float* x, int64_t K, const uint8_t* unit, float* y, int64_t ldy, int valid) {
     constexpr int groups = F::weights / 32;
-    V lo_acc[R], hi_acc[R];
-    for (int r = 0; r < R; ++r) lo_acc[r] = hi_acc[r] = zero();
-    for (int64_t b = 0; b < K / F::weights; ++b, w += F::bytes) {
+    V lo[R][2], hi[R][2];
+    for (int r = 0; r < R; ++r) lo[r][0] = lo[r][1] = hi[r][0] = hi[r][1] = zero();
+    for (int64_t b = 0; b < K / F::weights; ++b) {
+        prefetch_ahead(unit + 2 * b * F::packed, 2 * F::packed);
         for (int i = 0; i < groups; ++i) {
-            const int64_t k = (b * groups + i) * 32;
-            V lo, hi;
-            F::group(w, i, lo, hi);
-            for (int r = 0; r < R; ++r) {
-                lo_acc[r] = fma(loadv(x + r * K + k), lo, lo_acc[r]);
-                hi_acc[r] = fma(loadv(x + r * K + k + 16), hi, hi_acc[r]);
-            }
-        }
-    }
-    for (int r = 0; r < R; ++r) y[r * ldy] = reduce(add(lo_acc[r], hi_acc[r]));
-}
-
-// All M rows of x over one weight row: RMAX rows at a time, then the rest.
-template <class F, int R = RMAX>
-void direct_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t ldy) {
-    for (; M >= R; M -= R, x += R * K, y += R * ldy) direct<F, R>(x, K, w, y, ldy);
-    if constexpr (R > 1) direct_rows<F, R - 1>(x, M, K, w, y, ldy);
-}
-
-// Many rows: n weight rows (row_bytes apart) are decoded once into w (n, K), float32.
-template <class F>
-void decode_rows(const uint8_t* src, int64_t row_bytes, int n, int64_t K, float* w) {
-    constexpr int groups = F::weights / 32;
-    for (int g = 0; g < n; ++g, src += row_bytes, w += K) {
-        for (int64_t b = 0; b < K / F::weights; ++b) {
-            for (int i = 0; i < groups; ++i) {
-                V lo, hi;
-                F::group(src + b * F::bytes, i, lo, hi);
-                storev(w + (b * groups + i) * 32, lo);
-                storev(w + (b * groups + i) * 32 + 16, hi);
-            }
-        }
-    }
-}
-
-template <int R, int Gn>
-void dots(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
-    V first[R][Gn];  // the sums over the first halves of the groups of 32, then the second halves
-    for (int h = 0; h < 2; ++h) {
-        V acc[R][Gn];
-        for (int r = 0; r < R; ++r)
-            for (int g = 0; g < Gn; ++g) acc[r][g] = zero();
-        for (int64_t k = 16 * h; k < K; k += 32) {
-            V wv[Gn];
-            for (int g = 0; g < Gn; ++g) wv[g] = loadv(w + g * K + k);
-            for (int r = 0; r < R; ++r) {
-                const V xv = loadv(x + r * K + k);
-                for (int g = 0; g < Gn; ++g) acc[r][g] = fma(xv, wv[g], acc[r][g]);
-            }
-        }
-        for (int r = 0; r < R; ++r)
-            for (int g = 0; g < Gn; ++g) {
-                if (h == 0) {
-                    first[r][g] = acc[r][g];
-                } else {
-                    y[r * ldy + g] = reduce(add(first[r][g], acc[r][g]));
+            const typename F::Group g0 = F::group(unit + 2 * b * F::packed, i);
+            const typename F::Group g1 = F::group(unit + (2 * b + 1) * F::packed, i);
+            const float* xk = x + (b * groups + i) * 32;
+            for (int j = 0; j < 16; ++j) {
+                V wl0, wh0, wl1, wh1;
+                F::step(g0, j, wl0, wh0);
+                F::step(g1, j, wl1, wh1);
+                for (int r = 0; r < R; ++r) {
+                    const V xl = set1(xk[r * K + j]), xh = set1(xk[r * K + 16 + j]);
+                    lo[r][0] = fma(xl, wl0, lo[r][0]);
+                    lo[r][1] = fma(xl, wl1, lo[r][1]);
+                    hi[r][0] = fma(xh, wh0, hi[r][0]);
+                    hi[r][1] = fma(xh, wh1, hi[r][1]);
                 }
             }
+        }
+    }
+    for (int r = 0; r < R; ++r) store(add(lo[r][0], hi[r][0]), add(lo[r][1], hi[r][1]), y + r * ldy, valid);
+}
+
+// A unit's weights decoded into w: per group of 32, 16 steps x (tile 0 lo, hi, tile 1 lo, hi).
+template <class F>
+void decode_unit(const uint8_t* unit, int64_t K, float* w) {
+    constexpr int groups = F::weights / 32;
+    for (int64_t b = 0; b < K / F::weights; ++b) {
+        prefetch_ahead(unit + 2 * b * F::packed, 2 * F::packed);
+        for (int i = 0; i < groups; ++i) {
+            const typename F::Group g0 = F::group(unit + 2 * b * F::packed, i);
+            const typename F::Group g1 = F::group(unit + (2 * b + 1) * F::packed, i);
+            for (int j = 0; j < 16; ++j, w += 4 * TILE) {
+                V lo, hi;
+                F::step(g0, j, lo, hi);
+                storev(w, lo);
+                storev(w + TILE, hi);
+                F::step(g1, j, lo, hi);
+                storev(w + 2 * TILE, lo);
+                storev(w + 3 * TILE, hi);
+            }
+        }
     }
 }
 
-template <int Gn, int R = SR>
-void dot_rows(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t ldy) {
-    for (; M >= R; M -= R, x += R * K, y += R * ldy) dots<R, Gn>(x, K, w, y, ldy);
-    if constexpr (R > 1) dot_rows<Gn, R - 1>(x, M, K, w, y, ldy);
+// R rows of x over a decoded unit (as `decode_unit` lays it out).
+template <int R>
+__attribute__((noinline)) void scratch_rows(const float* x, int64_t K, const float* w, float* y, int64_t ldy, int valid) {
+    V lo[R][2], hi[R][2];
+    for (int r = 0; r < R; ++r) lo[r][0] = lo[r][1] = hi[r][0] = hi[r][1] = zero();
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        const float* xk = x + k0;
+        for (int j = 0; j < 16; ++j, w += 4 * TILE) {
+            for (int r = 0; r < R; ++r) {
+                const V xl = set1(xk[r * K + j]), xh = set1(xk[r * K + 16 + j]);
+                lo[r][0] = fma(xl, loadv(w), lo[r][0]);
+                hi[r][0] = fma(xh, loadv(w + TILE), hi[r][0]);
+                lo[r][1] = fma(xl, loadv(w + 2 * TILE), lo[r][1]);
+                hi[r][1] = fma(xh, loadv(w + 3 * TILE), hi[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) store(add(lo[r][0], hi[r][0]), add(lo[r][1], hi[r][1]), y + r * ldy, valid);
+}
+
+// All M rows of x, RMAX at a time, then the rest together, through `run<R>` (R chosen at compile
+// time).
+template <int RMAX, int R = RMAX, class Run>
+void by_rows(int64_t M, const Run& run) {
+    for (; M >= R; M -= R) run.template operator()<R>();
+    if constexpr (R > 1) {
+        if (M > 0) by_rows<RMAX, R - 1>(M, run);
+    }
 }
 
 template <class F>
 void product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t ldy,
              int threads) {
-    const int64_t row_bytes = K / F::weights * F::bytes;
-    const bool few = M <= DIRECT;
-    const int64_t tiles = (N + G - 1) / G;
+    const int64_t unit_bytes = 2 * (K / F::weights) * F::packed;
+    const int64_t units = (N + UNIT - 1) / UNIT;
+    const bool few = M <= FEW;
 #pragma omp parallel num_threads(threads)
     {
-        std::vector<float> scratch(few ? 0 : size_t(G) * size_t(K));
+        std::vector<float> scratch(few ? 0 : size_t(K) * UNIT);
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        for (int64_t i = tiles * t / nt; i < tiles * (t + 1) / nt; ++i) {
-            const int64_t n0 = i * G;
-            const int nb = int(N - n0 < G ? N - n0 : G);
-            const uint8_t* wi = w + n0 * row_bytes;
-            if (few) {
-                for (int g = 0; g < nb; ++g) direct_rows<F>(x, M, K, wi + g * row_bytes, y + n0 + g, ldy);
+        for (int64_t u = units * t / nt; u < units * (t + 1) / nt; ++u) {
+            const int64_t n0 = u * UNIT;
+            const int valid = int(N - n0 < UNIT ? N - n0 : UNIT);
+            const uint8_t* unit = w + u * unit_bytes;
+            const float* xr = x;
+            float* yr = y + n0;
+            if (few) {  // rows past FR decode the unit again, from cache
+                by_rows<FR>(M, [&]<int R>() {
+                    few_rows<F, R>(xr, K, unit, yr, ldy, valid);
+                    xr += R * K, yr += R * ldy;
+                });
             } else {
-                decode_rows<F>(wi, row_bytes, nb, K, scratch.data());
-                if (nb == G) {
-                    dot_rows<G>(x, M, K, scratch.data(), y + n0, ldy);
-                } else {
-                    for (int g = 0; g < nb; ++g) dot_rows<1>(x, M, K, scratch.data() + g * K, y + n0 + g, ldy);
-                }
+                decode_unit<F>(unit, K, scratch.data());
+                by_rows<SR>(M, [&]<int R>() {
+                    scratch_rows<R>(xr, K, scratch.data(), yr, ldy, valid);
+                    xr += R * K, yr += R * ldy;
+                });
             }
         }
     }
 }
 
+// Rows `ids` of W (output n: lane n % 16 of tile n % 32 / 16 of unit n / 32), dequantized into
+// out (n, K).
 template <class F>
 void rows(const uint8_t* w, int64_t K, const int64_t* ids, int64_t n, float* out) {
-    const int64_t row_bytes = K / F::weights * F::bytes;
-    for (int64_t i = 0; i < n; ++i) decode_rows<F>(w + ids[i] * row_bytes, row_bytes, 1, K, out + i * K);
+    constexpr int groups = F::weights / 32;
+    const int64_t unit_bytes = 2 * (K / F::weights) * F::packed;
+    for (int64_t i = 0; i < n; ++i, out += K) {
+        const uint8_t* tile = w + ids[i] / UNIT * unit_bytes + ids[i] % UNIT / TILE * F::packed;
+        const int lane = int(ids[i] % TILE);
+        for (int64_t b = 0; b < K / F::weights; ++b)
+            for (int g = 0; g < groups; ++g) {
+                const typename F::Group grp = F::group(tile + 2 * b * F::packed, g);
+                float* o = out + (b * groups + g) * 32;
+                for (int j = 0; j < 16; ++j) {
+                    V lo, hi;
+                    F::step(grp, j, lo, hi);
+                    float l[TILE], h[TILE];
+                    storev(l, lo);
+                    storev(h, hi);
+                    o[j] = l[lane];
+                    o[16 + j] = h[lane];
+                }
+            }
+    }
+}
+
+// W's N rows of GGUF blocks -> units (the last one padded with zero blocks: zero scales).
+template <class F>
+void pack(const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
+    const int64_t blocks = K / F::weights, row_bytes = blocks * F::bytes;
+    static const uint8_t zeros[F::bytes] = {};
+    for (int64_t u = 0; u < (N + UNIT - 1) / UNIT; ++u)
+        for (int64_t b = 0; b < blocks; ++b)
+            for (int t = 0; t < 2; ++t, dst += F::packed) {
+                const uint8_t* cols[TILE];
+                for (int c = 0; c < TILE; ++c) {
+                    const int64_t n = u * UNIT + t * TILE + c;
+                    cols[c] = n < N ? src + n * row_bytes + b * F::bytes : zeros;
+                }
+                F::pack(cols, dst);
+            }
 }
 
 struct Layout {
-    int weights;  // per block
+    int weights, packed;  // per block
+    void (*pack)(const uint8_t*, int64_t, int64_t, uint8_t*);
     void (*product)(const float*, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t, int);
     void (*rows)(const uint8_t*, int64_t, const int64_t*, int64_t, float*);
 };
 
 template <class F>
 constexpr Layout layout() {
-    return {F::weights, product<F>, rows<F>};
+    return {F::weights, F::packed, pack<F>, product<F>, rows<F>};
 }
 
 bool layout_of(int format, Layout* out) {
@@ -449,7 +588,25 @@ bool layout_of(int format, Layout* out) {
 
 extern "C" {
 
-// y[m * ldy + n] for the N weight rows of w. 0 when done; 1: a format this file does not read;
+// Bytes the tiles of N rows of K weights take; -1: a format this file does not read; -2: K not a
+// whole number of blocks.
+int64_t specdecode_qpacked_bytes(int format, int64_t N, int64_t K) {
+    Layout lay;
+    if (!layout_of(format, &lay)) return -1;
+    if (K % lay.weights != 0) return -2;
+    return (N + UNIT - 1) / UNIT * 2 * (K / lay.weights) * lay.packed;
+}
+
+// src (N rows of K weights as GGUF stores them) -> dst (specdecode_qpacked_bytes). 0 when done.
+int specdecode_qpack(int format, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
+    Layout lay;
+    if (!layout_of(format, &lay)) return 1;
+    if (K % lay.weights != 0) return 2;
+    lay.pack(src, N, K, dst);
+    return 0;
+}
+
+// y[m * ldy + n] for the N rows of packed W. 0 when done; 1: a format this file does not read;
 // 2: K not a whole number of blocks.
 int specdecode_qmm(int format, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                    float* y, int64_t ldy, int threads) {
@@ -460,7 +617,7 @@ int specdecode_qmm(int format, const float* x, int64_t M, int64_t K, const uint8
     return 0;
 }
 
-// Dequantize rows `ids` (n of them) of W (rows of K weights) into out (n, K): embedding lookups.
+// Rows `ids` (n of them) of packed W (rows of K weights), dequantized into out (n, K).
 int specdecode_qrows(int format, const uint8_t* w, int64_t K, const int64_t* ids, int64_t n, float* out) {
     Layout lay;
     if (!layout_of(format, &lay)) return 1;

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specdecode.kernels.base import Kernels, QuantWeight
+from specdecode.kernels.base import GGUF_LAYOUT, Kernels, QuantWeight
 
 
 class TorchLinear:
@@ -68,11 +68,14 @@ EXACT = Kernels("torch-exact", (TORCH_LINEAR,), (), rms_norm)
 
 def dequantize(weight: QuantWeight) -> Tensor:
     """A weight kept in GGUF block formats -> (in, out) float32, by gguf-py (the reference the
-    quantized kernels are tested against, and the fallback where they cannot run)."""
+    quantized kernels are tested against, and the fallback where they cannot run). The weight
+    must be in the GGUF layout."""
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
+    if weight.layout != GGUF_LAYOUT:
+        raise ValueError(f"gguf-py cannot read a weight laid out as {weight.layout}")
     parts = [
         np.asarray(gguf_dequantize(p.data.numpy(), GGMLQuantizationType[p.format]), dtype=np.float32)
         for p in weight.parts

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from specdecode.kernels import (
+    GGUF_LAYOUT,
     REFERENCE,
     TORCH_LINEAR,
     Kernels,
@@ -49,9 +50,12 @@ class Dense(nn.Module):
         if self.quantized is not None:
             quant = kernels.quant
             if quant is not None and all(p.format in quant.formats for p in self.quantized.parts):
-                self.kernel = quant
-                return
-            self.weight_t = nn.Parameter(dequantize(self.quantized), requires_grad=False)
+                if self.quantized.layout == GGUF_LAYOUT:
+                    self.quantized = quant.pack(self.quantized)
+                if self.quantized.layout == quant.layout:  # every CPU build shares one
+                    self.kernel = quant
+                    return
+            self.weight_t = nn.Parameter(self.matrix(), requires_grad=False)
             self.quantized, self.kernel = None, TORCH_LINEAR
         if not pack:
             return
@@ -68,7 +72,9 @@ class Dense(nn.Module):
     def matrix(self) -> torch.Tensor:
         """The weight as (in, out), whichever way it is stored (a copy when packed or quantized)."""
         if self.quantized is not None:
-            return dequantize(self.quantized)
+            if self.quantized.layout == GGUF_LAYOUT:
+                return dequantize(self.quantized)
+            return self.kernel.dequantize(self.quantized)  # type: ignore[union-attr]
         if self.weight_packed is None:
             return self.weight_t
         return self.kernel.unpack(self.weight_packed)  # type: ignore[union-attr]
