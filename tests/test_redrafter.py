@@ -103,7 +103,7 @@ def test_beam_search_is_exhaustive_when_wide_enough() -> None:
     context = torch.randn(16)
     root, depth, width = 3, 3, 64
     emb, lm = model.embed.weight.detach(), model.head_weight_t()
-    beams, scores = beam_search(head, context, root, emb, lm, width, depth)
+    beams, scores = beam_search(head, context, root, model.embed, lm, width, depth)
     every = torch.tensor(list(itertools.product(range(8), repeat=depth)))  # (512, D)
     fed = torch.cat([torch.full((every.shape[0], 1), root), every[:, :-1]], dim=1)  # (512, D)
     with torch.no_grad():
@@ -118,7 +118,7 @@ def test_beam_width_one_is_the_drafters_greedy_chain(target: Transformer) -> Non
     head = random_head(target)
     context = torch.randn(target.config.hidden_size)
     emb, lm = target.embed.weight.detach(), target.head_weight_t()
-    beams, _ = beam_search(head, context, 7, emb, lm, 1, 4)
+    beams, _ = beam_search(head, context, 7, target.embed, lm, 1, 4)
     chain, state, last = [], torch.zeros(1, target.config.hidden_size), torch.tensor([7])
     with torch.no_grad():
         for _ in range(4):
@@ -151,14 +151,14 @@ def test_draft_vocabulary(target: Transformer, tmp_path: Path) -> None:
     would order them, survives a save/load, and leaves greedy output exact."""
     head = random_head(target)
     context = torch.randn(target.config.hidden_size)
-    emb, lm = target.embed.weight.detach(), target.head_weight_t()
-    full, _ = beam_search(head, context, 7, emb, lm, 1, 3)
+    lm = target.head_weight_t()
+    full, _ = beam_search(head, context, 7, target.embed, lm, 1, 3)
     head.draft_vocab = torch.tensor(
         sorted({*range(0, 96, 3), *full[0].tolist()})
     )  # holds the full-vocab chain
-    small, _ = beam_search(head, context, 7, emb, lm, 1, 3)
+    small, _ = beam_search(head, context, 7, target.embed, lm, 1, 3)
     assert torch.equal(small, full)  # the argmax over a subset that holds it is the same
-    wide, _ = beam_search(head, context, 7, emb, lm, 6, 4)
+    wide, _ = beam_search(head, context, 7, target.embed, lm, 6, 4)
     assert set(wide.flatten().tolist()) <= set(head.draft_vocab.tolist())
     save_head(head, tmp_path / "h", target="tiny", dtype=torch.float32)
     loaded = load_head(tmp_path / "h")
@@ -228,8 +228,8 @@ class ClaimsDrafterSoftmax(ReDrafter):
     node's parent as the distribution the node was drawn from: the verifier's acceptance test
     and residual are then wrong."""
 
-    def propose(self, req: Request) -> Proposal:
-        tree = super().propose(req).tree
+    def propose(self, req: Request, budget: int | None = None) -> Proposal:
+        tree = super().propose(req, budget).tree
         if self.hidden is None or tree.num_nodes == 0:
             return Proposal(tree)
         emb, lm = self.target.embed.weight, self.target.head_weight_t()

@@ -49,7 +49,7 @@ Checkpoints are directories, in one of two layouts:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -201,15 +201,15 @@ def beam_search(
     head: ReDrafterHead,
     context: Tensor,
     root: int,
-    embedding: Tensor,
+    embed: Callable[[Tensor], Tensor],
     head_weight_t: Tensor | None,
     width: int,
     depth: int,
 ) -> tuple[Tensor, Tensor]:
     """The `width` most likely continuations of `root`, `depth` tokens each, best first.
 
-    `context` (C,) is the target's hidden state that produced the root; `embedding` (V, C) the
-    target's input embedding; `head_weight_t` (C, V) its LM head (for a shared-head drafter).
+    `context` (C,) is the target's hidden state that produced the root; `embed` the target's
+    input embedding (ids (...) -> (..., C)); `head_weight_t` (C, V) its LM head (for a shared-head drafter).
     Returns beams (B, depth) long and their summed log probabilities (B,), B <= width (fewer
     only when the vocabulary is smaller than the width). The first step extends the root
     alone, so no two beams are ever the same sequence. A head with a draft vocabulary drafts
@@ -224,7 +224,7 @@ def beam_search(
     scores = torch.zeros(1, device=device)  # (B,) float32
     beams = torch.zeros(1, 0, dtype=torch.long, device=device)  # (B, d)
     for _ in range(depth):
-        state = head.step(state, embedding[last])  # (B, C)
+        state = head.step(state, embed(last))  # (B, C)
         logits = head(context.expand_as(state), state, head_weight_t)  # (B, V)
         total = scores[:, None] + torch.log_softmax(logits.float(), dim=-1)  # (B, V)
         vocab = total.shape[1]
@@ -357,18 +357,22 @@ class ReDrafter(LastRowDrafter):
         self.max_nodes = beam_width * self.depth
         self.hidden: Tensor | None = None  # (C,) the row whose target output is the current root
 
-    def propose(self, req: Request) -> Proposal:
+    def propose(self, req: Request, budget: int | None = None) -> Proposal:
         if (opening := opening_proposal(req, self.hidden is not None)) is not None:
             return opening
         room = req.max_len - len(req.all_ids)  # draft nodes the request's cache still holds
+        if budget is not None:
+            room = min(room, budget)
+        if room <= 0:
+            return Proposal(DraftTree.empty())
         beams, _ = beam_search(
             self.head,
             self.hidden,
             req.root,
-            self.target.embed.weight,
+            self.target.embed,
             self.target.head_weight_t(),
             self.width,
-            self.depth,
+            min(self.depth, room),  # one step a depth: none past what the budget verifies
         )
         tokens, parents = merge_beams(beams.tolist())
         n = min(len(tokens), room)  # nodes come depth by depth: a prefix is a tree

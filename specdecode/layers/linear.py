@@ -1,8 +1,9 @@
-"""The linear layer and the RMS norm, through the kernels bound to them."""
+"""The linear layer, the embedding and the RMS norm, through the kernels bound to them."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specdecode.kernels import (
@@ -108,3 +109,51 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+class Embedding(nn.Module):
+    """Token ids -> their rows of the (vocab, C) embedding matrix: a float `weight`, or a matrix
+    held as stored in a GGUF's block formats (`load_stored`: a `Dense` whose outputs are the
+    tokens, the LM head itself for a tied model), read row by row through its quantized kernel:
+    the same values as its dequantized copy, without holding one (4 to 7 times the bytes)."""
+
+    def __init__(self, num_embeddings: int, dim: int) -> None:
+        super().__init__()
+        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(num_embeddings, dim).normal_(0, 1))
+        self._stored: list[Dense] = []  # a plain list: not a submodule of ours (a tied one is the head)
+
+    @property
+    def stored(self) -> Dense | None:
+        return self._stored[0] if self._stored else None
+
+    def load_stored(self, dense: Dense) -> None:
+        """Read rows from `dense`'s stored weight (in = C, out = vocab); the float weight goes."""
+        self.weight = None
+        self._stored = [dense]
+
+    def bind_kernels(self, kernels: Kernels) -> None:
+        dense = self.stored
+        if dense is None:
+            return
+        dense.bind_kernels(kernels, pack=False)
+        if dense.quantized is None:  # no quantized kernels here: the matrix is float after all
+            self.weight = nn.Parameter(dense.matrix().detach().t().contiguous(), requires_grad=False)
+            self._stored = []
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids (...) long -> (..., C)
+        dense = self.stored
+        if dense is None:
+            assert self.weight is not None
+            return F.embedding(ids, self.weight)
+        assert dense.quantized is not None, "a stored embedding is read once its kernels are bound"
+        rows = dense.kernel.rows(dense.quantized, ids.reshape(-1))  # type: ignore[union-attr]
+        return rows.view(*ids.shape, -1)
+
+    def matrix(self) -> torch.Tensor:
+        """The (vocab, C) matrix (a dequantized copy where it is stored)."""
+        dense = self.stored
+        if dense is None:
+            assert self.weight is not None
+            return self.weight
+        return dense.matrix().t()

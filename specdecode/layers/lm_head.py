@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from specdecode.kernels import REFERENCE, TORCH_LINEAR, Kernels, LinearKernel
-from specdecode.layers.linear import Dense
+from specdecode.layers.linear import Dense, Embedding
 
 
 class ApproxHead:
@@ -41,7 +41,7 @@ class LMHead:
     tied transpose, the approximate copy, its error figures) are remade whenever the head's
     parameter changes storage or version, so they can never disagree with it."""
 
-    def __init__(self, embed: nn.Embedding, dense: Dense | None) -> None:
+    def __init__(self, embed: Embedding, dense: Dense | None) -> None:
         self._embed, self._dense = embed, dense  # a tied head when `dense` is None
         self.kernels = REFERENCE
         self._tied: tuple[tuple[int, int], Tensor] | None = None
@@ -59,7 +59,7 @@ class LMHead:
         """Identity of the head's source parameter: its storage and in-place version."""
         if self._dense is not None and self._dense.quantized is not None:
             return self._dense.quantized.parts[0].data.data_ptr(), 0
-        w = self._embed.weight if self._dense is None else self._dense.weight_t
+        w = self._embed.matrix() if self._dense is None else self._dense.weight_t
         return w.data_ptr(), w._version
 
     def weight_t(self) -> Tensor:
@@ -70,7 +70,7 @@ class LMHead:
         key = self.key()
         if self._tied is None or self._tied[0] != key:
             with torch.inference_mode(False), torch.no_grad():
-                source = self._embed.weight.detach().t() if self._dense is None else self._dense.matrix()
+                source = self._embed.matrix().detach().t() if self._dense is None else self._dense.matrix()
                 self._tied = key, source.contiguous()
         return self._tied[1]
 

@@ -30,7 +30,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.kernels import REFERENCE, Kernels, QuantPart, QuantWeight, select
 from specdecode.kv_cache import KVCache
 from specdecode.layers import bind_kernels
-from specdecode.layers.linear import Dense, RMSNorm
+from specdecode.layers.linear import Dense, Embedding, RMSNorm
 from specdecode.layers.lm_head import ApproxHead, LMHead
 from specdecode.layers.rotary import Rotary
 from specdecode.models.config import ModelConfig
@@ -106,7 +106,7 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # A tied head is the embedding itself, read through `head_weight_t` (see there).
@@ -117,11 +117,11 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        return self.norm.weight.dtype
 
     def new_cache(self, max_len: int, batch_size: int = 1) -> KVCache:
         max_len = min(max_len, self.config.max_position_embeddings)
@@ -236,24 +236,37 @@ class Transformer(nn.Module):
             for name, tensor in loaded.items():
                 params[name].copy_(tensor)
 
-    def load_stored(self, stored: Mapping[str, tuple[str, Any]]) -> None:
-        """Hold the linear weights (and the LM head) of a GGUF as stored, in their block formats:
-        `stored` maps Hugging Face names to (format, (rows, row_bytes) uint8 blocks), as
-        `gguf.stored_weights` reads them. A layer whose parts are not all there stays float."""
+    def load_stored(self, stored: Mapping[str, tuple[str, Any]], embedding: bool = True) -> None:
+        """Hold the linear weights, the LM head and (with `embedding`) the input embedding of a
+        GGUF as stored, in their block formats: `stored` maps Hugging Face names to (format,
+        (rows, row_bytes) uint8 blocks), as `gguf.stored_weights` reads them. A layer whose parts
+        are not all there stays float."""
 
-        def hold(dense: Dense, names: list[str]) -> None:
+        def hold(dense: Dense, names: list[str]) -> bool:
             if all(n in stored for n in names):
                 parts = tuple(QuantPart(stored[n][0], torch.from_numpy(stored[n][1])) for n in names)
                 dense.load_quantized(QuantWeight(dense.weight_t.shape[0], parts))
+                return True
+            return False
 
         for dense, names in self._linear_parts():
             hold(dense, names)
+        c, vocab = self.config.hidden_size, self.config.vocab_size
         head = self._head_name()
-        if head in stored:  # the head reads the stored matrix; a tied embedding keeps its float copy
-            if self.lm_head is None:
-                self.lm_head = Dense(self.config.hidden_size, self.config.vocab_size).to(self.device)
+        if head in stored:  # the head reads the stored matrix
+            if self.lm_head is None:  # tied: the stored embedding, read as the head
+                self.lm_head = Dense(c, vocab).to(self.device)
                 self.head = LMHead(self.embed, self.lm_head)
             hold(self.lm_head, [head])
+        name = "model.embed_tokens.weight"
+        if embedding and name in stored:
+            tied = self.lm_head if self.config.tie_word_embeddings else None
+            if tied is not None and tied.quantized is not None:
+                self.embed.load_stored(tied)
+            else:
+                table = Dense(c, vocab).to(self.device)
+                if hold(table, [name]):
+                    self.embed.load_stored(table)
 
     def _linear_parts(self) -> list[tuple[Dense, list[str]]]:
         """Each layer's linear weights with the Hugging Face names of their parts."""
@@ -309,8 +322,8 @@ class Transformer(nn.Module):
         tensors = _Tensors(handles, path)
         if stored is not None:
             model.load_stored(stored_weights(stored))
-        elif quantization is not None:
-            model.load_stored(quantized_weights(tensors, model.stored_names(), quantization))
+        elif quantization is not None:  # the input embedding stays float (its own values)
+            model.load_stored(quantized_weights(tensors, model.stored_names(), quantization), embedding=False)
         model.load_hf_state_dict(tensors)
         model.bind_kernels()
         return model.eval()
@@ -325,4 +338,5 @@ class Transformer(nn.Module):
         self.norm.bind_kernels(self.kernels)
         if self.lm_head is not None:
             self.lm_head.bind_kernels(self.kernels, pack=False)
+        self.embed.bind_kernels(self.kernels)
         self.head.bind_kernels(self.kernels)

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specdecode.drafters.eagle import EagleDrafter, EagleHead, check_fits, load_head, save_head
+from specdecode.layers.linear import Embedding
 from specdecode.models.transformer import Transformer
 from specdecode.train import pipeline
 from specdecode.train.features import Features
@@ -111,7 +112,7 @@ def batch(features: Features, index: list[int], device: torch.device) -> Batch:
 
 
 def unroll_pairs(
-    head: EagleHead, embed: torch.nn.Embedding, tokens: Tensor, features: Tensor, steps: int
+    head: EagleHead, embed: Embedding, tokens: Tensor, features: Tensor, steps: int
 ) -> list[Tensor]:
     """One sequence's head outputs for `steps` drafting steps from every start, differentiably.
 
@@ -142,7 +143,7 @@ def unroll_pairs(
 
 def eagle_loss(
     head: EagleHead,
-    embed: torch.nn.Embedding,
+    embed: Embedding,
     lm_weight: Tensor,
     data: Batch,
     ce_weight: float,

@@ -219,7 +219,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     torch.manual_seed(settings.seed)
     head = ReDrafterHead(cfg.hidden_size, cfg.vocab_size, settings.num_layers).to(device)
     lm_weight = target.head_weight_t().detach().to(target.dtype)  # (C, V), frozen
-    embedding = target.embed.weight.detach()  # (V, C), frozen
+    embedding = target.embed.matrix().detach()  # (V, C), frozen
     vocab_share = 1.0
     if 0 < settings.draft_vocab < cfg.vocab_size:
         head.draft_vocab = draft_vocabulary(prep.train, settings.draft_vocab, cfg.vocab_size).to(device)
