@@ -76,6 +76,8 @@ class Kernels:
       model's dtype follows).
     - `quant`: products with weights kept in GGUF block formats, or None (then a GGUF's weights
       are dequantized when the model loads).
+    - `peak_flops(threads)`: the FLOP/s these kernels' multiply-adds reach at best here, or None
+      where that is not measured (what benchmarks draw the compute bound from).
     """
 
     name: str
@@ -85,6 +87,7 @@ class Kernels:
     attend_rows: AttendRows | None = None
     fast_bf16: bool = False
     quant: QuantKernel | None = None
+    peak_flops: Callable[[int], float | None] | None = None
 
     def linear_for(self, weight_t: Tensor) -> LinearKernel:
         """The first linear kernel that takes this (in, out) weight."""

@@ -1,6 +1,6 @@
 """Our kernels built once per instruction set: the quantized products (`quant_gemm.cpp`, wrapped
 by `quant.py`), row attention and RMS norm (`row_ops.cpp`), all computing in the 16 float lanes of
-`lanes.h`.
+`lanes.h`, and the probe of their peak multiply-add rate (`probe.cpp`, for benchmarks' bounds).
 
 Each source is built for AVX-512, for AVX2 + FMA + F16C, and portably (plain loops the compiler
 vectorizes for its target: SSE2 on x86, NEON on ARM); `SPECDECODE_CPU_ISA` forces one, else the
@@ -23,7 +23,7 @@ from specdecode.kernels import build
 from specdecode.kernels.reference import rms_norm as torch_rms_norm
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "quant_gemm.cpp", _HERE / "row_ops.cpp")
+_SOURCES = (_HERE / "quant_gemm.cpp", _HERE / "row_ops.cpp", _HERE / "probe.cpp")
 _BUILDS = {  # compiler flags of each instruction set's build
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"),
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
@@ -56,7 +56,18 @@ def library(isa: str) -> ctypes.CDLL | None:
     lib.specdecode_attend_rows.restype = n
     lib.specdecode_rms_norm.argtypes = [p, p, p, i, i, f]
     lib.specdecode_rms_norm.restype = None
+    lib.specdecode_peak_flops.argtypes = [n, i]
+    lib.specdecode_peak_flops.restype = ctypes.c_double
     return lib
+
+
+def peak_flops(isa: str, threads: int) -> float | None:
+    """FLOP/s of the `isa` build's fused multiply-adds with nothing else to wait for, on `threads`
+    threads (best of three ~50 ms runs), or None where that build cannot be had."""
+    lib = library(isa)
+    if lib is None:
+        return None
+    return max(lib.specdecode_peak_flops(threads, 2_000_000) for _ in range(3))
 
 
 class RowOps:

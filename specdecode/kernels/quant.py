@@ -35,7 +35,7 @@ class QuantCPU:
             raise ValueError(f"{self.name}: cannot pack a weight laid out as {weight.layout}")
         parts = []
         k = weight.in_features
-        for part in weight.parts:
+        for part in _merged(weight.parts):
             fmt = QUANT_FORMATS[part.format][0]
             size = self._lib.specdecode_qpacked_bytes(fmt, part.rows, k)
             if size < 0:
@@ -71,25 +71,39 @@ class QuantCPU:
         self._check(weight)
         ids = ids.reshape(-1).to(torch.int64)  # (n,)
         out = torch.empty(ids.numel(), weight.in_features)  # (n, in)
+        if len(weight.parts) == 1:  # an embedding: one part
+            self._rows(weight.parts[0], weight.in_features, ids.contiguous(), out)
+            return out
         first = 0
         for part in weight.parts:  # the ids each part holds, read from it
             mine = (ids >= first) & (ids < first + part.rows)
             if bool(mine.any()):
-                local = (ids[mine] - first).contiguous()
-                got = torch.empty(local.numel(), weight.in_features)
-                done = self._lib.specdecode_qrows(
-                    QUANT_FORMATS[part.format][0], part.data.data_ptr(), weight.in_features,
-                    local.data_ptr(), local.numel(), got.data_ptr(),
-                )  # fmt: skip
-                if done != 0:
-                    k = weight.in_features
-                    raise ValueError(f"{self.name}: cannot read {part.format} rows of {k} weights")
+                got = torch.empty(int(mine.sum()), weight.in_features)
+                self._rows(part, weight.in_features, (ids[mine] - first).contiguous(), got)
                 out[mine] = got
             first += part.rows
         return out
 
+    def _rows(self, part: QuantPart, k: int, ids: Tensor, out: Tensor) -> None:
+        """Rows `ids` (n,) of one packed part into out (n, k)."""
+        fmt, n = QUANT_FORMATS[part.format][0], ids.numel()
+        if self._lib.specdecode_qrows(fmt, part.data.data_ptr(), k, ids.data_ptr(), n, out.data_ptr()):
+            raise ValueError(f"{self.name}: cannot read {part.format} rows of {k} weights")
+
     def dequantize(self, weight: QuantWeight) -> Tensor:
         return self.rows(weight, torch.arange(weight.out_features)).t()  # (in, out)
+
+
+def _merged(parts: tuple[QuantPart, ...]) -> list[QuantPart]:
+    """Neighbouring GGUF parts in one format as one part (q|k|v in one format: one call a product,
+    not three)."""
+    out: list[QuantPart] = []
+    for part in parts:
+        if out and out[-1].format == part.format:
+            last = out.pop()
+            part = QuantPart(part.format, torch.cat([last.data, part.data]))
+        out.append(part)
+    return out
 
 
 def quant_kernel(isa: str) -> QuantCPU | None:
