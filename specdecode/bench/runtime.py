@@ -9,10 +9,12 @@ runs alternate between the two so that machine noise hits both alike, and median
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -25,6 +27,68 @@ PROMPT = "Write a short essay about the history of the printing press and its ef
 LATENCY_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 
 
+@dataclass(frozen=True)
+class Machine:
+    """What bounds a forward here: the bytes and parameters of the matrices it multiplies (every
+    layer and the LM head), the memory's read bandwidth (bytes/s) and the kernels' peak FLOP/s
+    (their fused multiply-adds alone), with the kernels' name (their instruction set)."""
+
+    kernels: str
+    weight_bytes: int
+    weight_params: int
+    bandwidth: float
+    peak_flops: float
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Resident memory (MB) before and after the model was loaded (its KV cache is reserved but
+    not yet touched), and the size of the model's file (a GGUF) where there is one."""
+
+    rss_before_mb: float
+    rss_after_mb: float
+    file_mb: float | None
+
+
+def rss_mb() -> float | None:
+    """This process's resident memory in MB (Linux; None elsewhere)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+
+def read_bandwidth(mb: int = 512) -> float:
+    """Bytes/s of summing a float32 tensor far larger than the caches (best of three)."""
+    x = torch.ones(mb * 2**20 // 4)
+    best = float("inf")
+    for _ in range(4):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+def machine(llm: LLM) -> Machine | None:
+    """The bounds of `llm`'s model here, or None where it does not run on our CPU kernels."""
+    from specdecode.layers.linear import Dense
+
+    kernels = llm.model.kernels
+    peak = kernels.peak_flops(torch.get_num_threads()) if kernels.peak_flops is not None else None
+    if peak is None:
+        return None
+    nbytes = params = 0
+    for dense in (m for m in llm.model.modules() if isinstance(m, Dense)):
+        w = dense.quantized
+        nbytes += w.nbytes if w is not None else sum(p.numel() * p.element_size() for p in dense.parameters())
+        params += w.in_features * w.out_features if w is not None else dense.matrix().numel()
+    if llm.model.lm_head is None:  # a tied float head: the embedding, read transposed
+        head = llm.model.head_weight_t()
+        nbytes, params = nbytes + head.numel() * head.element_size(), params + head.numel()
+    return Machine(kernels.name, nbytes, params, read_bandwidth(), peak)
+
+
 @dataclass
 class RuntimeReport:
     model: str
@@ -35,6 +99,15 @@ class RuntimeReport:
     hf_tok_s: list[float] = field(default_factory=list)
     forward_ms: dict[int, float] = field(default_factory=dict)
     same_tokens: bool = False
+    machine: Machine | None = None
+    memory: Memory | None = None
+
+    def bounds_ms(self, rows: int) -> tuple[float, float] | None:
+        """(memory bound, compute bound) of a forward over `rows` new tokens, in ms."""
+        m = self.machine
+        if m is None:
+            return None
+        return 1000 * m.weight_bytes / m.bandwidth, 1000 * rows * 2 * m.weight_params / m.peak_flops
 
     @property
     def ratio(self) -> float:
@@ -53,6 +126,9 @@ class RuntimeReport:
             "transformers_tok_s_runs": [round(x, 2) for x in self.hf_tok_s],
             "same_tokens": self.same_tokens,
             "forward_ms_by_new_tokens": self.forward_ms,
+            "bounds_ms_by_new_tokens": {t: self.bounds_ms(t) for t in self.forward_ms},
+            "machine": None if self.machine is None else dataclasses.asdict(self.machine),
+            "memory": None if self.memory is None else dataclasses.asdict(self.memory),
         }
 
 
@@ -72,7 +148,9 @@ def run(model: str, dtype: str, new_tokens: int, repeats: int, threads: int | No
 
     if threads:
         torch.set_num_threads(threads)
+    before = rss_mb()
     llm = LLM(model=model, dtype=dtype)
+    after = rss_mb()
     # "auto" runs a GGUF's weights as stored: transformers runs the same weights dequantized
     hf_dtype = resolve_dtype("float32" if dtype == "auto" else dtype)
     hf = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=hf_dtype)
@@ -101,7 +179,18 @@ def run(model: str, dtype: str, new_tokens: int, repeats: int, threads: int | No
     # min_new_tokens masks end-of-sequence in transformers, ignore_eos in ours: same rule, same tokens
     report.same_tokens = ours() == theirs()
     report.forward_ms = forward_latency(llm, LATENCY_WIDTHS)
+    report.machine = machine(llm)
+    if before is not None and after is not None:
+        report.memory = Memory(round(before, 1), round(after, 1), file_mb(model))
     return report
+
+
+def file_mb(model: str) -> float | None:
+    """The size of the model's GGUF file in MB, where it is one."""
+    from specdecode.models.registry import REGISTRY, gguf_path
+
+    path = gguf_path(model) if model in REGISTRY else Path(model)
+    return round(path.stat().st_size / 2**20, 1) if path.suffix == ".gguf" and path.is_file() else None
 
 
 def print_report(report: RuntimeReport) -> None:
@@ -112,6 +201,20 @@ def print_report(report: RuntimeReport) -> None:
     print(f"  speedup       {d['speedup']:>8}x    same greedy tokens: {report.same_tokens}")
     print("  forward + greedy LM head latency (ms) by new tokens over a 256-token context:")
     print("    " + "  ".join(f"T={t}: {ms}" for t, ms in report.forward_ms.items()))
+    m = report.machine
+    if m is not None:
+        print(
+            f"  bounds ({m.kernels} kernels, {m.weight_bytes / 1e6:.1f} MB of {m.weight_params / 1e6:.1f}M"
+            f" weights read at {m.bandwidth / 1e9:.1f} GB/s, peak {m.peak_flops / 1e9:.0f} GFLOP/s):"
+        )
+        for t, ms in report.forward_ms.items():
+            mem, comp = report.bounds_ms(t)  # type: ignore[misc]
+            over = ms / max(mem, comp)
+            print(f"    T={t}: {ms} ms  memory bound {mem:.2f}  compute bound {comp:.2f} ({over:.2f}x bound)")
+    if report.memory is not None:
+        mem = report.memory
+        file = f", file {mem.file_mb} MB" if mem.file_mb is not None else ""
+        print(f"  resident memory: {mem.rss_before_mb} MB before loading, {mem.rss_after_mb} MB after{file}")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
