@@ -40,7 +40,10 @@ MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", 
 
 
 def category_of(question: dict[str, Any]) -> str:
-    """Spec-Bench's reporting category: the eight MT-Bench sub-categories count as one."""
+    """Spec-Bench's reporting category: the eight MT-Bench sub-categories count as one, unless a
+    filter named the sub-category (`load_questions`: then it is reported on its own)."""
+    if "report_as" in question:
+        return question["report_as"]
     return "mt_bench" if question["category"] in MT_BENCH else question["category"]
 
 
@@ -61,7 +64,9 @@ def load_questions(path: str | Path, per_category: int | None, categories: list[
             raise SpecDecodeError(
                 f"{file}:{n}: not a Spec-Bench question (needs category and turns)"
             ) from None
-        if categories and cat not in categories:
+        if categories and q["category"] in MT_BENCH and q["category"] in categories:
+            cat = q["report_as"] = q["category"]  # e.g. "coding": MT-Bench's coding questions alone
+        elif categories and cat not in categories:
             continue
         if per_category is not None and seen[cat] >= per_category:
             continue
@@ -306,7 +311,9 @@ def main_args(args: argparse.Namespace) -> None:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="Spec-Bench format question.jsonl")
     p.add_argument("--per-category", type=int, default=2, help="questions per category (0 = all)")
-    p.add_argument("--categories", nargs="*", default=None, help="e.g. mt_bench summarization")
+    p.add_argument(
+        "--categories", nargs="*", default=None, help="e.g. mt_bench summarization; coding (MT-Bench's alone)"
+    )
     p.add_argument("--method", action="append", help="a method with default options (repeatable)")
     p.add_argument("--draft-model", default=None, help="draft model for --method draft_model")
     p.add_argument("--spec", action="append", help='a full setting as JSON, e.g. \'{"method": "lookahead"}\'')
