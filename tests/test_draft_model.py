@@ -114,9 +114,9 @@ class CountingDrafter(DraftModelDrafter):
         super().__init__(*args, **kwargs)
         self.forwards: list[list[int]] = [[]]  # forwards[0]: begin's prefill
 
-    def propose(self, req: Request) -> Proposal:
+    def propose(self, req: Request, budget: int | None = None) -> Proposal:
         self.forwards.append([])
-        return super().propose(req)
+        return super().propose(req, budget)
 
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         if tokens:
@@ -138,6 +138,19 @@ def test_target_as_its_own_draft_accepts_everything(target: Transformer, k: int)
     assert drafter.forwards[1] == [1] * k  # the root, then K-1 draft tokens
     for step in drafter.forwards[2:]:
         assert step == [2] + [1] * (k - 1), drafter.forwards
+
+
+def test_a_budget_limits_the_draft_models_forwards(target: Transformer) -> None:
+    """With a budget of B < K tokens the draft model runs B forwards, not K (the load policy's
+    budgets save the drafting they do not verify), and the next step picks up from there."""
+    prompt = PROMPTS["mixed"]
+    drafter = CountingDrafter(config(5), target, target.config.vocab_size)
+    req = Request(target, prompt, greedy(), [], drafter.max_nodes)
+    drafter.begin(req, None)
+    assert drafter.propose(req, budget=2).tree.tokens.numel() == 2
+    assert drafter.forwards[-1] == [1, 1]  # the root, then one draft token (not four)
+    assert drafter.propose(req).tree.tokens.numel() == 5  # no budget: the whole K
+    assert len(drafter.forwards[-1]) == 5
 
 
 def test_draft_cache_follows_the_request(target: Transformer, drafts: dict[str, Transformer]) -> None:
@@ -315,8 +328,8 @@ class LyingDrafter(DraftModelDrafter):
         super().__init__(*args, **kwargs)
         self.uniform_share = uniform_share
 
-    def propose(self, req: Request) -> Proposal:
-        tree = super().propose(req).tree
+    def propose(self, req: Request, budget: int | None = None) -> Proposal:
+        tree = super().propose(req, budget).tree
         q = tree.draft_probs  # (N, V)
         if q is None:
             return Proposal(tree)

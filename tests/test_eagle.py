@@ -149,8 +149,8 @@ class UnconditionalLiar(EagleDrafter):
     as if they had been drawn independently: later siblings' acceptance is computed for the
     wrong distribution."""
 
-    def propose(self, req: Request) -> Proposal:
-        tree = super().propose(req).tree
+    def propose(self, req: Request, budget: int | None = None) -> Proposal:
+        tree = super().propose(req, budget).tree
         q = tree.draft_probs  # (N, V)
         if q is None:
             return Proposal(tree)

@@ -316,7 +316,7 @@ class RecordingDrafter(Drafter):
     def begin(self, req: Request, prompt_hidden: torch.Tensor) -> None:
         self.prompt_hidden = prompt_hidden.clone()
 
-    def propose(self, req: Request) -> Proposal:
+    def propose(self, req: Request, budget: int | None = None) -> Proposal:
         return Proposal(DraftTree.empty())
 
 

@@ -69,8 +69,8 @@ class RecordingDrafter(LookaheadDrafter):
         self.steps: list[tuple[list[int], int, Proposal]] = []  # (all_ids, cache length, proposal)
         self.results: list[StepResult] = []
 
-    def propose(self, req: Request) -> Proposal:
-        proposal = super().propose(req)
+    def propose(self, req: Request, budget: int | None = None) -> Proposal:
+        proposal = super().propose(req, budget)
         self.steps.append((req.all_ids, req.cache.length, proposal))
         return proposal
 

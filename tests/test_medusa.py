@@ -343,8 +343,8 @@ class ClaimsHeadSoftmax(MedusaDrafter):
     """Picks tokens by rank (deterministic) but reports the heads' softmax as the distribution
     they were drawn from: the verifier's acceptance test and residual are then wrong."""
 
-    def propose(self, req: Request) -> Proposal:
-        tree = super().propose(req).tree
+    def propose(self, req: Request, budget: int | None = None) -> Proposal:
+        tree = super().propose(req, budget).tree
         assert self.hidden is not None
         logits = self.heads(self.hidden, self.target.head_weight_t())  # (K, V)
         q = logits_to_probs(logits, req.params)[self.node_head[: tree.num_nodes]]  # (N, V)

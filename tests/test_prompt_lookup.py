@@ -123,7 +123,7 @@ class RecordingDrafter(Drafter):
     def begin(self, req: Request, prompt_hidden: torch.Tensor | None) -> None:
         self.calls.append("begin")
 
-    def propose(self, req: Request) -> Proposal:
+    def propose(self, req: Request, budget: int | None = None) -> Proposal:
         self.calls.append("propose")
         return Proposal(DraftTree.chain([42, 43]))
 
@@ -218,8 +218,8 @@ def test_greedy_lookup_with_draft_model_fallback(
     sources: list[str] = []
     real_propose = drafter.propose
 
-    def propose(req: Request) -> Proposal:
-        proposal = real_propose(req)
+    def propose(req: Request, budget: int | None = None) -> Proposal:
+        proposal = real_propose(req, budget)
         sources.append(drafter.last_source)
         return proposal
 

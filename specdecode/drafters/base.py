@@ -40,8 +40,12 @@ class Drafter(ABC):
         positions 0 .. P-2 (see the module's prefill contract)."""
 
     @abstractmethod
-    def propose(self, req: Request) -> Proposal:
-        """A draft continuing `req.all_ids` (whose last token is the root, not yet verified)."""
+    def propose(self, req: Request, budget: int | None = None) -> Proposal:
+        """A draft continuing `req.all_ids` (whose last token is the root, not yet verified).
+        `budget`: the most draft tokens (nodes + side tokens) the step will verify (None: no
+        limit but the request's room); a drafter whose work grows with its draft (a draft
+        model's forwards, a head's depths) does only what that many tokens need. The engine
+        trims what is proposed to the budget either way."""
 
     def observe(self, req: Request, result: StepResult) -> None:  # noqa: B027
         """Learn from the step's outcome; `req.all_ids` already includes the emitted tokens."""

@@ -108,9 +108,9 @@ class DraftModelDrafter(Drafter):
                 self.release()
 
     @torch.inference_mode()
-    def propose(self, req: Request) -> Proposal:
+    def propose(self, req: Request, budget: int | None = None) -> Proposal:
         try:
-            return self._propose(req)
+            return self._propose(req, budget)
         except OutOfKVBlocks:  # draft nothing this step; give the blocks back for others
             self.release()
             return Proposal(DraftTree.empty())
@@ -122,7 +122,7 @@ class DraftModelDrafter(Drafter):
         self.cache = None
         self._fed, self._agreed = [], 0
 
-    def _propose(self, req: Request) -> Proposal:
+    def _propose(self, req: Request, budget: int | None) -> Proposal:
         if self.cache is None:
             self.begin(req, None)
         if self.cache is None:  # begin ran out of blocks
@@ -132,6 +132,8 @@ class DraftModelDrafter(Drafter):
         # Target: the root and K draft tokens need `length + K` slots of req.max_len. Draft:
         # it feeds the request and K-1 draft tokens, `length + K - 1` slots of its own cache.
         k = min(self.num_draft_tokens, req.max_len - length, self.cache.max_len - length + 1)
+        if budget is not None:  # one draft forward a token: none past the budget
+            k = min(k, budget)
         if k <= 0:
             return Proposal(DraftTree.empty())
         self._sync(ids)

@@ -516,10 +516,12 @@ class EagleDrafter(Drafter):
     # ---- drafting ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def propose(self, req: Request) -> Proposal:
+    def propose(self, req: Request, budget: int | None = None) -> Proposal:
         if (opening := opening_proposal(req, self.last is not None)) is not None:
             return opening
         room = req.max_len - len(req.all_ids)  # draft nodes the request's cache still holds
+        if budget is not None:  # no deeper than the budget: one head forward per depth
+            room = min(room, budget)
         decided = self.cache.length
         growth = _Growth(self, req)
         try:

@@ -194,7 +194,7 @@ class LookaheadDrafter(Drafter):
         self.links = [0] * self.w
         self._ingested = 0
 
-    def propose(self, req: Request) -> Proposal:
+    def propose(self, req: Request, budget: int | None = None) -> Proposal:
         if self.plain:
             return Proposal(DraftTree.empty())
         if not self.window:  # begin() was not called

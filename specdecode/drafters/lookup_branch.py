@@ -44,12 +44,14 @@ class LookupBranch(Drafter):
         self.lookup.begin(req, prompt_hidden)
         self.inner.begin(req, prompt_hidden)
 
-    def propose(self, req: Request) -> Proposal:
-        proposal = self.inner.propose(req)
+    def propose(self, req: Request, budget: int | None = None) -> Proposal:
+        proposal = self.inner.propose(req, budget)
         if proposal.num_side:
             raise AssertionError("a lookup branch needs a drafter without side tokens")
         tree = proposal.tree
         room = min(req.max_len - len(req.all_ids) - tree.num_nodes, self.lookup.num_tokens)
+        if budget is not None:  # grafted nodes the trimmed tree could still hold
+            room = min(room, budget - tree.num_nodes)
         chain = self.lookup.lookup(req.all_ids, room) if room > 0 else []
         if not chain:
             return proposal

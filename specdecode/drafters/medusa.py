@@ -316,12 +316,14 @@ class MedusaDrafter(LastRowDrafter):
         self.hidden: Tensor | None = None  # (C,) the row whose target output is the current root
 
     @torch.inference_mode()
-    def propose(self, req: Request) -> Proposal:
+    def propose(self, req: Request, budget: int | None = None) -> Proposal:
         if self.num_heads_used == 0:
             return Proposal(DraftTree.empty())
         if (opening := opening_proposal(req, self.hidden is not None)) is not None:
             return opening
         room = req.max_len - len(req.all_ids)  # draft nodes the request's cache still holds
+        if budget is not None:
+            room = min(room, budget)
         if self.heads.lm_heads is None:
             # The target's head, through its bfloat16 copy where it has one (half the bytes of
             # the largest matrix, per head): a draft only picks candidates, the verifier decides.

@@ -72,7 +72,7 @@ class PromptLookupDrafter(Drafter):
         if self.fallback is not None:
             self.fallback.begin(req, prompt_hidden)
 
-    def propose(self, req: Request) -> Proposal:
+    def propose(self, req: Request, budget: int | None = None) -> Proposal:
         ids = req.all_ids
         room = req.max_len - len(ids)  # draft tokens the target's cache can still take
         if room <= 0:
@@ -84,7 +84,7 @@ class PromptLookupDrafter(Drafter):
             return Proposal(candidate_tree(candidates))
         if self.fallback is not None:
             self.last_source = "fallback"
-            return self.fallback.propose(req)
+            return self.fallback.propose(req, budget)
         self.last_source = "none"
         return Proposal(DraftTree.empty())
 

@@ -335,7 +335,10 @@ class LLMEngine:
             proposal = None
             if k > 0 and seq.drafter is not None:
                 tp = time.perf_counter()
-                proposal = trim(seq.drafter.propose(req), k)
+                # Drafters shape their work to the budget, but a seeded sampled request's draws
+                # (its text) must not depend on it: it proposes in full, then is trimmed.
+                seeded = req.params.seed is not None and not req.params.greedy
+                proposal = trim(seq.drafter.propose(req, None if seeded else k), k)
                 spent = time.perf_counter() - tp
                 draft_seconds += spent
                 seq.draft_cost += EMA * (spent / k - seq.draft_cost)
