@@ -59,25 +59,14 @@ def rss_mb() -> float | None:
     return int(status.split("VmRSS:")[1].split()[0]) / 1024
 
 
-def read_bandwidth(mb: int = 512) -> float:
-    """Bytes/s of summing a float32 tensor far larger than the caches (best of three)."""
-    x = torch.ones(mb * 2**20 // 4)
-    best = float("inf")
-    for _ in range(4):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best
-
-
 def machine(llm: LLM) -> Machine | None:
     """The bounds of `llm`'s model here, or None where it does not run on our CPU kernels."""
     from specdecode.layers.linear import Dense
 
     kernels = llm.model.kernels
-    peak = kernels.peak_flops(torch.get_num_threads()) if kernels.peak_flops is not None else None
-    if peak is None:
+    if kernels.probe is None:
         return None
+    threads = torch.get_num_threads()
     nbytes = params = 0
     for dense in (m for m in llm.model.modules() if isinstance(m, Dense)):
         w = dense.quantized
@@ -86,7 +75,9 @@ def machine(llm: LLM) -> Machine | None:
     if llm.model.lm_head is None:  # a tied float head: the embedding, read transposed
         head = llm.model.head_weight_t()
         nbytes, params = nbytes + head.numel() * head.element_size(), params + head.numel()
-    return Machine(kernels.name, nbytes, params, read_bandwidth(), peak)
+    return Machine(
+        kernels.name, nbytes, params, kernels.probe.read_bandwidth(threads), kernels.probe.peak_flops(threads)
+    )
 
 
 @dataclass
@@ -148,6 +139,9 @@ def run(model: str, dtype: str, new_tokens: int, repeats: int, threads: int | No
 
     if threads:
         torch.set_num_threads(threads)
+    # Loading first runs ops on the meta device, whose machinery costs ~75 MB of resident memory
+    # once per process: warmed first, so that the difference is the model's own.
+    torch.outer(torch.arange(4, device="meta").float(), torch.ones(2, device="meta")).cos()
     before = rss_mb()
     llm = LLM(model=model, dtype=dtype)
     after = rss_mb()

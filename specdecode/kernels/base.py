@@ -61,6 +61,18 @@ class AttendRows(Protocol):
     ) -> None: ...
 
 
+class Probe(Protocol):
+    """The best a kernel set does on this machine with `threads` threads."""
+
+    def peak_flops(self, threads: int) -> float:
+        """FLOP/s of its fused multiply-adds with nothing else to wait for."""
+        ...
+
+    def read_bandwidth(self, threads: int) -> float:
+        """Bytes/s of reading memory far larger than the caches, as its products read weights."""
+        ...
+
+
 @dataclass(frozen=True)
 class Kernels:
     """The kernels of one model, chosen once at load time (`specdecode.kernels.select`).
@@ -76,8 +88,8 @@ class Kernels:
       model's dtype follows).
     - `quant`: products with weights kept in GGUF block formats, or None (then a GGUF's weights
       are dequantized when the model loads).
-    - `peak_flops(threads)`: the FLOP/s these kernels' multiply-adds reach at best here, or None
-      where that is not measured (what benchmarks draw the compute bound from).
+    - `probe`: what these kernels reach at best on this machine (the bounds benchmarks draw), or
+      None where that is not measured.
     """
 
     name: str
@@ -87,7 +99,7 @@ class Kernels:
     attend_rows: AttendRows | None = None
     fast_bf16: bool = False
     quant: QuantKernel | None = None
-    peak_flops: Callable[[int], float | None] | None = None
+    probe: Probe | None = None
 
     def linear_for(self, weight_t: Tensor) -> LinearKernel:
         """The first linear kernel that takes this (in, out) weight."""

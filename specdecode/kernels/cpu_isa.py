@@ -58,16 +58,27 @@ def library(isa: str) -> ctypes.CDLL | None:
     lib.specdecode_rms_norm.restype = None
     lib.specdecode_peak_flops.argtypes = [n, i]
     lib.specdecode_peak_flops.restype = ctypes.c_double
+    lib.specdecode_read_bandwidth.argtypes = [n, i]
+    lib.specdecode_read_bandwidth.restype = ctypes.c_double
     return lib
 
 
-def peak_flops(isa: str, threads: int) -> float | None:
-    """FLOP/s of the `isa` build's fused multiply-adds with nothing else to wait for, on `threads`
-    threads (best of three ~50 ms runs), or None where that build cannot be had."""
+class Probe:
+    """The `Probe` of one instruction set's build (`probe.cpp`): best of three runs each."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+
+    def peak_flops(self, threads: int) -> float:
+        return max(self._lib.specdecode_peak_flops(threads, 2_000_000) for _ in range(3))
+
+    def read_bandwidth(self, threads: int) -> float:
+        return float(self._lib.specdecode_read_bandwidth(threads, 512 * 2**20))
+
+
+def probe(isa: str) -> Probe | None:
     lib = library(isa)
-    if lib is None:
-        return None
-    return max(lib.specdecode_peak_flops(threads, 2_000_000) for _ in range(3))
+    return None if lib is None else Probe(lib)
 
 
 class RowOps:

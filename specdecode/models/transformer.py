@@ -17,6 +17,7 @@ bookkeeping alone: whoever runs it commits the plan afterwards (`AttentionPlan.c
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -244,7 +245,9 @@ class Transformer(nn.Module):
 
         def hold(dense: Dense, names: list[str]) -> bool:
             if all(n in stored for n in names):
-                parts = tuple(QuantPart(stored[n][0], torch.from_numpy(stored[n][1])) for n in names)
+                with warnings.catch_warnings():  # read-only views of the file: only ever read
+                    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                    parts = tuple(QuantPart(stored[n][0], torch.from_numpy(stored[n][1])) for n in names)
                 dense.load_quantized(QuantWeight(dense.weight_t.shape[0], parts))
                 return True
             return False
