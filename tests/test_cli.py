@@ -118,3 +118,19 @@ def test_models_list(capsys: pytest.CaptureFixture[str]) -> None:
         "qwen2.5-coder-0.5b",
         "qwen2.5-coder-1.5b",
     ]
+
+
+def test_spec_bench_categories_may_name_an_mt_bench_sub_category(tmp_path: Path) -> None:
+    """`--categories coding` takes MT-Bench's coding questions alone and reports them as coding;
+    the other filters keep Spec-Bench's grouping (the sub-categories count as mt_bench)."""
+    from specdecode.bench.specbench import category_of, load_questions
+
+    rows = [("coding", 1), ("writing", 2), ("coding", 3), ("translation", 4)]
+    path = tmp_path / "q.jsonl"
+    lines = [json.dumps({"question_id": i, "category": c, "turns": ["t"]}) for c, i in rows]
+    path.write_text("\n".join(lines) + "\n")
+    coding = load_questions(path, None, ["coding"])
+    assert [q["question_id"] for q in coding] == [1, 3]
+    assert {category_of(q) for q in coding} == {"coding"}
+    grouped = load_questions(path, None, ["mt_bench", "translation"])
+    assert [category_of(q) for q in grouped] == ["mt_bench", "mt_bench", "mt_bench", "translation"]
