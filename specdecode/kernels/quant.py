@@ -18,6 +18,7 @@ from specdecode.kernels.base import GGUF_LAYOUT, QUANT_FORMATS, QuantPart, Quant
 from specdecode.kernels.cpu_isa import library
 
 LAYOUT = "tiles32"  # quant_gemm.cpp's: 32 outputs interleaved block by block (the same on every build)
+UNIT = 32  # outputs of one unit of that layout
 
 
 class QuantCPU:
@@ -33,18 +34,22 @@ class QuantCPU:
     def pack(self, weight: QuantWeight) -> QuantWeight:
         if weight.layout != GGUF_LAYOUT:
             raise ValueError(f"{self.name}: cannot pack a weight laid out as {weight.layout}")
-        parts = []
         k = weight.in_features
-        for part in _merged(weight.parts):
-            fmt = QUANT_FORMATS[part.format][0]
-            size = self._lib.specdecode_qpacked_bytes(fmt, part.rows, k)
+        packed = []
+        for group in _mergeable(weight.parts):
+            fmt = QUANT_FORMATS[group[0].format][0]
+            rows = sum(p.rows for p in group)
+            size = self._lib.specdecode_qpacked_bytes(fmt, rows, k)
             if size < 0:
-                raise ValueError(f"{self.name}: cannot read {part.format} rows of {k} weights")
-            src = part.data.contiguous()
+                raise ValueError(f"{self.name}: cannot read {group[0].format} rows of {k} weights")
             out = torch.empty(size, dtype=torch.uint8)
-            self._lib.specdecode_qpack(fmt, src.data_ptr(), part.rows, k, out.data_ptr())
-            parts.append(QuantPart(part.format, out, LAYOUT, part.rows))
-        return QuantWeight(k, tuple(parts))
+            at = 0  # each part's units follow the last's: no concatenated copy is made
+            for part in group:
+                src = part.data.contiguous()
+                self._lib.specdecode_qpack(fmt, src.data_ptr(), part.rows, k, out.data_ptr() + at)
+                at += self._lib.specdecode_qpacked_bytes(fmt, part.rows, k)
+            packed.append(QuantPart(group[0].format, out, LAYOUT, rows))
+        return QuantWeight(k, tuple(packed))
 
     def _check(self, weight: QuantWeight) -> None:
         if weight.layout != LAYOUT:
@@ -94,16 +99,18 @@ class QuantCPU:
         return self.rows(weight, torch.arange(weight.out_features)).t()  # (in, out)
 
 
-def _merged(parts: tuple[QuantPart, ...]) -> list[QuantPart]:
-    """Neighbouring GGUF parts in one format as one part (q|k|v in one format: one call a product,
-    not three)."""
-    out: list[QuantPart] = []
+def _mergeable(parts: tuple[QuantPart, ...]) -> list[list[QuantPart]]:
+    """The parts in groups packed as one (one product a group, not one a part): neighbours in one
+    format, each but the last a whole number of units (32 outputs), so each packs on its own
+    into its place (q|k|v of SmolLM2: one product)."""
+    groups: list[list[QuantPart]] = []
     for part in parts:
-        if out and out[-1].format == part.format:
-            last = out.pop()
-            part = QuantPart(part.format, torch.cat([last.data, part.data]))
-        out.append(part)
-    return out
+        last = groups[-1] if groups else None
+        if last is not None and last[-1].format == part.format and last[-1].rows % UNIT == 0:
+            last.append(part)
+        else:
+            groups.append([part])
+    return groups
 
 
 def quant_kernel(isa: str) -> QuantCPU | None:
