@@ -70,10 +70,15 @@ class AttentionPlan:
     """The segments of one forward, in the order their tokens appear in the input row.
 
     The forward writes each segment's keys/values into its slots; the caches' lengths move only
-    when the runner calls `commit` after it (a forward has no side effect on bookkeeping)."""
+    when the runner calls `commit` after it (a forward has no side effect on bookkeeping).
 
-    def __init__(self, segments: list[Segment]) -> None:
+    `prefill_from`: the first row of the prompts' chunks, where the runner knows it (the rows
+    before are a decoding step's, which must be computed alike in any batch); None lets the
+    layers judge by the number of rows (`layers.linear.prefill_rows`)."""
+
+    def __init__(self, segments: list[Segment], prefill_from: int | None = None) -> None:
         self.segments = segments
+        self.prefill_from = prefill_from
         self.total = sum(s.length for s in segments)
         self._rows: _KernelRows | None = None  # the kernel's rows, laid out at the first layer
         self._laid_out = False

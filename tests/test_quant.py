@@ -56,6 +56,11 @@ def test_products_of_stored_weights(isa: str, fmt: str, outputs: int) -> None:
     for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 23):
         assert torch.equal(kernel.matmul(x[:m], weight), y[:m]), m
     assert torch.equal(torch.cat([kernel.matmul(x[i : i + 1], weight) for i in range(40)]), y)
+    # a prompt's rows: their own arithmetic, as close to the reference, each row on its own too
+    pre = kernel.matmul(x, weight, prefill=True)
+    torch.testing.assert_close(pre.double(), want, rtol=0, atol=1e-6 * float(want.abs().max()))
+    for m in (1, 5, 7, 13):
+        assert torch.equal(kernel.matmul(x[:m], weight, prefill=True), pre[:m]), m
 
 
 @pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
@@ -72,6 +77,8 @@ def test_avx2_and_avx512_give_the_same_bits(fmt: str) -> None:
     x = torch.randn(24, 768, generator=torch.Generator().manual_seed(2))
     for m in (1, 2, 5, 12, 24):  # in registers, a row at a time and together; through scratch
         assert torch.equal(wide.matmul(x[:m], weight), narrow.matmul(x[:m], weight))
+        prompt = wide.matmul(x[:m], weight, prefill=True)
+        assert torch.equal(prompt, narrow.matmul(x[:m], weight, prefill=True))
 
 
 @pytest.mark.parametrize("isa", isa_params())

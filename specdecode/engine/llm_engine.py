@@ -423,7 +423,7 @@ class LLMEngine:
             ids.append(torch.tensor(seq.req.all_ids[seg.start : seg.start + seg.length], device=self.device))
             positions.append(torch.arange(seg.start, seg.start + seg.length, device=self.device))
         segments = [p[2] for p in plans] + [c[1] for c in chunks]
-        plan = AttentionPlan(segments)
+        plan = AttentionPlan(segments, prefill_from=sum(p[1].length for p in plans))
         hidden = self.model.forward_plan(torch.cat(ids)[None], torch.cat(positions)[None], plan)[0]
         plan.commit()  # the runner, not the forward, moves the caches past the new rows
         at = 0

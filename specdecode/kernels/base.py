@@ -203,8 +203,12 @@ class QuantKernel(Protocol):
         """A weight in the GGUF layout -> the same quants and scales in the kernel's layout."""
         ...
 
-    def matmul(self, x: Tensor, weight: QuantWeight, bias: Tensor | None = None) -> Tensor:
-        """x (M, in) float32 -> (M, out) float32."""
+    def matmul(
+        self, x: Tensor, weight: QuantWeight, bias: Tensor | None = None, prefill: bool = False
+    ) -> Tensor:
+        """x (M, in) float32 -> (M, out) float32. Rows of a decoding step (the default) get the
+        same result in any batch; `prefill` rows (a prompt's) may be computed another way, the
+        fastest for many rows (each row's result still independent of the others)."""
         ...
 
     def rows(self, weight: QuantWeight, ids: Tensor) -> Tensor:

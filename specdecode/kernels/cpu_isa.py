@@ -46,7 +46,7 @@ def library(isa: str) -> ctypes.CDLL | None:
     lib.specdecode_qpacked_bytes.restype = i
     lib.specdecode_qpack.argtypes = [n, p, i, i, p]
     lib.specdecode_qpack.restype = n
-    lib.specdecode_qmm.argtypes = [n, p, i, i, p, i, p, i, n]
+    lib.specdecode_qmm.argtypes = [n, p, i, i, p, i, p, i, n, n]
     lib.specdecode_qmm.restype = n
     lib.specdecode_qrows.argtypes = [n, p, i, p, i, p]
     lib.specdecode_qrows.restype = n

@@ -55,7 +55,9 @@ class QuantCPU:
         if weight.layout != LAYOUT:
             raise ValueError(f"{self.name} takes weights packed by it, not laid out as {weight.layout}")
 
-    def matmul(self, x: Tensor, weight: QuantWeight, bias: Tensor | None = None) -> Tensor:
+    def matmul(
+        self, x: Tensor, weight: QuantWeight, bias: Tensor | None = None, prefill: bool = False
+    ) -> Tensor:
         self._check(weight)
         if x.dtype is not torch.float32 or x.requires_grad or not x.is_contiguous():
             x = x.detach().float().contiguous()  # (M, in)
@@ -65,7 +67,7 @@ class QuantCPU:
         if m:
             threads, xp, yp = torch.get_num_threads(), x.data_ptr(), y.data_ptr()
             for fmt, data, rows, first in weight.calls:
-                if self._lib.specdecode_qmm(fmt, xp, m, k, data, rows, yp + 4 * first, n, threads) != 0:
+                if self._lib.specdecode_qmm(fmt, xp, m, k, data, rows, yp + 4 * first, n, threads, prefill):
                     name = next(f for f, (i, _, _) in QUANT_FORMATS.items() if i == fmt)
                     raise ValueError(f"{self.name}: cannot multiply {name} rows of {k} weights")
         if bias is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +18,19 @@ from specdecode.kernels import (
     QuantWeight,
     dequantize,
 )
+
+# A product of more rows than this whose caller does not say which are a prompt's is taken as one
+# (a prefill): a draft model's or a head's own forwards, the model outside the engine.
+PREFILL_ROWS = 64
+
+
+def prefill_rows(rows: int, prefill_from: int | None) -> int:
+    """Where a product's prompt rows start: rows before are a decoding step's (verified drafts,
+    roots), which must get the same result in any batch; rows after are prefilled, which the
+    quantized kernels compute with the arithmetic fastest for many rows."""
+    if prefill_from is None:
+        return 0 if rows > PREFILL_ROWS else rows
+    return min(max(prefill_from, 0), rows)
 
 
 class Dense(nn.Module):
@@ -80,15 +95,27 @@ class Dense(nn.Module):
             return self.weight_t
         return self.kernel.unpack(self.weight_packed)  # type: ignore[union-attr]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x (..., in) -> (..., out)
+    def forward(self, x: torch.Tensor, prefill_from: int | None = None) -> torch.Tensor:
+        # x (..., in) -> (..., out). Rows from `prefill_from` on are a prompt's (see `prefill_rows`).
         flat = x.reshape(-1, x.shape[-1])
         if self.quantized is not None:
-            weight: torch.Tensor | QuantWeight = self.quantized
+            y = self._stored_product(flat, prefill_from)
         else:
             weight = self.weight_t if self.weight_packed is None else self.weight_packed
-        y = self.kernel.matmul(flat, weight, self.bias)  # type: ignore[arg-type]
+            y = self.kernel.matmul(flat, weight, self.bias)  # type: ignore[arg-type]
         return y.view(*x.shape[:-1], y.shape[-1])
+
+    def _stored_product(self, flat: torch.Tensor, prefill_from: int | None) -> torch.Tensor:
+        """The quantized product, decoding rows and prefill rows each with their own arithmetic."""
+        quant, weight = cast(QuantKernel, self.kernel), self.quantized
+        assert weight is not None
+        p = prefill_rows(flat.shape[0], prefill_from)
+        if p == flat.shape[0]:
+            return quant.matmul(flat, weight, self.bias)
+        if p == 0:
+            return quant.matmul(flat, weight, self.bias, prefill=True)
+        decode = quant.matmul(flat[:p], weight, self.bias)
+        return torch.cat([decode, quant.matmul(flat[p:], weight, self.bias, prefill=True)])
 
 
 class RMSNorm(nn.Module):

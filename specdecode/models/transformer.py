@@ -94,13 +94,14 @@ class Block(nn.Module):
         plan: AttentionPlan,
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        qkv = self.qkv(self.attn_norm(x)).view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
+        p = plan.prefill_from
+        qkv = self.qkv(self.attn_norm(x), p).view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
         heads = qkv.transpose(1, 2)  # (B, H + 2 H_kv, T, D), a view
         q, k, v = heads.split([self.n_heads, self.n_kv, self.n_kv], dim=1)
         att = plan.attend(self.index, q, k, v, cos, sin, self.kernels)  # (B, H, T, D), rotary inside
-        x = x + self.o(att.transpose(1, 2).reshape(b, t, -1))
-        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        x = x + self.o(att.transpose(1, 2).reshape(b, t, -1), p)
+        gate, up = self.gate_up(self.mlp_norm(x), p).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up, p)
 
 
 class Transformer(nn.Module):
