@@ -62,6 +62,11 @@ class StepResult:
     num_draft: int  # N, draft tokens offered
     max_depth: int  # depth of the deepest draft node
 
+    @classmethod
+    def plain(cls, token: int, hidden: torch.Tensor) -> StepResult:
+        """A step that verified no draft: `token` followed the root, whose row is hidden[0]."""
+        return cls(Verdict([], [token]), hidden[:1], None, 0, 0)
+
 
 class Request:
     """State of one generation: tokens so far, its cache, its random stream, its figures."""

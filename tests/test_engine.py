@@ -18,7 +18,7 @@ from specdecode.engine.config import EngineConfig
 from specdecode.engine.llm_engine import EngineRequest, LLMEngine, RequestDelta
 from specdecode.engine.paged_cache import PagedCache, PagedKVStorage
 from specdecode.engine.policy import Candidate, LatencyCurve, SpeculationPolicy, accept_rates
-from specdecode.request import Proposal, Request
+from specdecode.request import Proposal, Request, StepResult
 from specdecode.spec_config import parse_speculative
 from specdecode.tree import DraftTree
 from tests.test_draft_model import tiny_transformer
@@ -346,6 +346,45 @@ def test_drafters_get_every_prompt_row_however_the_prompt_was_cached(setup) -> N
     assert cached == 12 and part_hit.shape == (len(partial) - 1, chunked.shape[1])
     assert torch.equal(part_hit[:12], chunked[:12])
     torch.testing.assert_close(part_hit, run_prefix(llm.model, partial), rtol=1e-4, atol=1e-4)
+
+
+class EveryOtherStep(Drafter):
+    """Drafts one guessed token every other step (a plain step between) and records what each
+    `observe` says: the request's length then, the tokens and how many target rows came."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.heard: list[tuple[int, list[int], int]] = []
+
+    def propose(self, req: Request, budget: int | None = None) -> Proposal:
+        self.calls += 1
+        return Proposal(DraftTree.chain([req.root]) if self.calls % 2 else DraftTree.empty())
+
+    def observe(self, req: Request, result: StepResult) -> None:
+        self.heard.append((len(req.all_ids), result.verdict.tokens, result.hidden.shape[0]))
+
+
+def test_a_drafter_hears_of_every_step_plain_ones_included(setup) -> None:
+    """A drafter reading the target's features (EAGLE's head cache, Medusa's last row) needs
+    every decided token's row: a plain step (no budget from the policy, or nothing proposed)
+    reports its one token and the root's row, so the drafter never falls behind."""
+    llm, _ = setup
+    params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+    prompt = prompts(1, seed=5)[0]
+    engine = llm.new_engine(EngineConfig(block_size=4, policy=False))
+    drafter = EveryOtherStep()
+    engine.add_request(EngineRequest("a", prompt, params, None), drafter)
+    out: list[int] = []
+    while engine.has_unfinished():
+        out += [t for d in engine.step() for t in d.new_token_ids]
+    heard = [t for _, tokens, _ in drafter.heard for t in tokens]
+    assert out[: len(heard)] == heard and len(out) - len(heard) <= 2  # all but the last step's
+    length = len(prompt)
+    for n, tokens, _ in drafter.heard:  # every step heard, in order, once its tokens were appended
+        length += len(tokens)
+        assert n == length
+    plain = [tokens for _, tokens, rows in drafter.heard if rows == 1]
+    assert len(plain) >= 3 and all(len(tokens) == 1 for tokens in plain)
 
 
 def test_sampled_requests_keep_their_own_stream(setup) -> None:

@@ -467,6 +467,11 @@ class LLMEngine:
                 self.stats.record_draft(seq.method, result, accepted)
                 if not finished:
                     seq.drafter.observe(req, result)  # type: ignore[union-attr]
+            elif seq.drafter is not None and not finished and tokens:
+                # A plain step of a request that drafts (the policy gave it no budget, or its
+                # drafter proposed nothing): its drafter still hears of the token and the root's
+                # row, or a head reading the target's features would draft from a stale one.
+                seq.drafter.observe(req, StepResult.plain(tokens[0], rows))
             self.stats.num_generated_tokens += len(tokens)
             first = not req.timing.first_token_s
             seq.record_tokens(time.perf_counter())
