@@ -83,6 +83,17 @@ class AttentionPlan:
         self._rows: _KernelRows | None = None  # the kernel's rows, laid out at the first layer
         self._laid_out = False
 
+    def kernel_rows(
+        self, kernels: Kernels, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> _KernelRows | None:
+        """The rows laid out for the row-attention kernel when it takes every segment (queries of
+        `head_dim`, `dtype` on `device`), else None: the forward can then run as one kernel call."""
+        probe = torch.empty(1, 1, 0, head_dim, dtype=dtype, device=device)  # (B, H, T, D), no data
+        if not self._laid_out:
+            self._rows, self._laid_out = _KernelRows.build(self.segments, probe, kernels), True
+        rows = self._rows
+        return rows if rows is not None and all(rows.fast) else None
+
     def attend(
         self,
         layer: int,

@@ -231,3 +231,64 @@ def test_quantization_on_load_is_checked(quant_gguf: Path, tmp_path: Path) -> No
         LLM(str(tmp_path), quantization="q8_0", dtype="bfloat16", progress=False)
     with pytest.raises(SpecDecodeError, match="already quantized"):
         LLM(str(quant_gguf), quantization="q8_0", progress=False)
+
+
+def test_the_whole_decoder_in_one_call_gives_the_layers_bits(quant_gguf: Path) -> None:
+    """`Kernels.decoder` runs every layer in one call with the kernels the layers call one by
+    one: a prompt, a decoding chain and a tree give the same hidden states bit for bit either
+    way, and so do an engine's steps that decode one request beside another's prompt chunks."""
+    from specdecode.attention import AttentionPlan, Segment, tree_mask
+    from specdecode.engine.config import EngineConfig
+    from specdecode.engine.llm_engine import EngineRequest
+
+    llm = LLM(str(quant_gguf), progress=False)
+    model = llm.model
+    if model._decoder is None:
+        pytest.skip("no quantized kernels here (no C++ compiler, or SPECDECODE_CPU_ISA=off)")
+    decoder, prepared = model._decoder
+    calls: list[tuple[int, int]] = []  # (rows, prefill_from) of each one-call forward
+
+    class Counting:  # the decoder, counting its calls
+        def prepare(self, layers):  # type: ignore[no-untyped-def]
+            return decoder.prepare(layers)
+
+        def run(self, *args):  # type: ignore[no-untyped-def]
+            calls.append((args[1].shape[0], args[-1]))
+            return decoder.run(*args)
+
+    def forwards() -> list[torch.Tensor]:
+        out = []
+        with torch.inference_mode():
+            cache = model.new_cache(64)
+            out.append(model(torch.tensor([[200, 5, 17, 200, 5, 9, 31, 8]]), torch.arange(8)[None], cache))
+            chain = AttentionPlan([Segment.append(cache, 3)])
+            out.append(model.forward_plan(torch.tensor([[4, 7, 9]]), torch.arange(8, 11)[None], chain))
+            parents = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]])
+            tree = AttentionPlan([Segment.append(cache, 4, tree_mask(8, parents))])
+            out.append(model.forward_plan(torch.tensor([[4, 7, 9, 2]]), torch.tensor([[8, 9, 9, 10]]), tree))
+        return out
+
+    def engine_tokens() -> dict[str, list[int]]:
+        engine = llm.new_engine(EngineConfig(block_size=4, max_batch_tokens=6, policy=False))
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        engine.add_request(EngineRequest("a", [200, 5, 17], params, None))
+        engine.step()  # "a" is decoding when "b"'s long prompt arrives: it prefills in chunks beside
+        engine.add_request(EngineRequest("b", [(7 * i) % 90 + 3 for i in range(20)], params, None))
+        out: dict[str, list[int]] = {"a": [], "b": []}
+        while engine.has_unfinished():
+            for d in engine.step():
+                out[d.request_id] += d.new_token_ids
+        return out
+
+    try:
+        model._decoder = (Counting(), prepared)  # type: ignore[assignment]
+        fused, fused_tokens = forwards(), engine_tokens()
+        model._decoder = None
+        by_layer, layer_tokens = forwards(), engine_tokens()
+    finally:
+        model._decoder = (decoder, prepared)
+    assert calls[:3] == [(8, 8), (3, 3), (4, 4)]  # each forward above ran as one call
+    assert any(0 < p < rows for rows, p in calls[3:])  # decoding rows beside prefill rows
+    for a, b in zip(fused, by_layer, strict=True):
+        assert torch.equal(a, b)
+    assert fused_tokens == layer_tokens

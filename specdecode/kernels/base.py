@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -61,6 +61,52 @@ class AttendRows(Protocol):
     ) -> None: ...
 
 
+@dataclass(frozen=True)
+class LayerWeights:
+    """One pre-norm decoder layer as `DecoderRows` takes it: the norms' weights (C,) and epsilon,
+    each matrix as the quantized kernel holds it with its bias (or None), and the heads."""
+
+    attn_norm: Tensor
+    mlp_norm: Tensor
+    eps: float
+    qkv: QuantWeight
+    qkv_bias: Tensor | None
+    o: QuantWeight
+    o_bias: Tensor | None
+    gate_up: QuantWeight
+    gate_up_bias: Tensor | None
+    down: QuantWeight
+    down_bias: Tensor | None
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+class DecoderRows(Protocol):
+    """A whole decoding forward's layers in one call (norm, q|k|v, row attention with rotary, o,
+    residual, norm, gate|up, SiLU, down, residual), with the very kernels the layers call one by
+    one, in the same order: the same bits, without the calls between them."""
+
+    def prepare(self, layers: Sequence[LayerWeights]) -> object | None:
+        """What `run` takes for these layers (laid out once, when the model binds its kernels), or
+        None where some layer is not one it computes."""
+        ...
+
+    def run(
+        self,
+        prepared: object,
+        x: Tensor,  # (T, C) float32, updated in place
+        caches: Sequence[tuple[Tensor, Tensor]],  # each layer's (H_kv, S, D) key and value slots
+        rows: Tensor,  # (T,) long: every row goes through the row attention
+        new_slots: Tensor,  # (T,) long
+        row_ptr: Tensor,  # (T+1,) long
+        idx: Tensor,  # (nnz,) long
+        cos: Tensor,  # (T, D)
+        sin: Tensor,  # (T, D)
+        prefill_from: int,  # rows from here on are a prompt's (`QuantKernel.matmul`)
+    ) -> None: ...
+
+
 class Probe(Protocol):
     """The best a kernel set does on this machine with `threads` threads."""
 
@@ -83,6 +129,8 @@ class Kernels:
       and weights rounded to bfloat16), packed from a float32 (in, out) weight; the last accepts
       any.
     - `rms_norm(x, weight, eps)`: for float32 inputs (others normalise in the layer).
+    - `silu_mul(gate_up)`: (..., 2 I) -> SiLU(gate) * up (..., I), the SwiGLU MLP's middle.
+    - `decoder`: a whole decoding forward's layers in one call, or None (see `DecoderRows`).
     - `attend_rows`: the row-attention kernel, or None: then SDPA runs every segment.
     - `fast_bf16`: bfloat16 weights run faster than float32 ones here (what an "auto" draft
       model's dtype follows).
@@ -96,10 +144,12 @@ class Kernels:
     linears: tuple[LinearKernel, ...]
     approx: tuple[LinearKernel, ...]
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
+    silu_mul: Callable[[Tensor], Tensor]
     attend_rows: AttendRows | None = None
     fast_bf16: bool = False
     quant: QuantKernel | None = None
     probe: Probe | None = None
+    decoder: DecoderRows | None = None
 
     def linear_for(self, weight_t: Tensor) -> LinearKernel:
         """The first linear kernel that takes this (in, out) weight."""

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from specdecode.kernels import cpu_gemm
 from specdecode.kernels.base import Kernels
-from specdecode.kernels.cpu_isa import probe, row_ops
+from specdecode.kernels.cpu_isa import decoder_rows, probe, row_ops
 from specdecode.kernels.quant import quant_kernel
 from specdecode.kernels.reference import REFERENCE, TorchApprox
 
@@ -101,12 +101,16 @@ def cpu_kernels(isa: str) -> Kernels:
         return REFERENCE
     quant = quant_kernel(isa)
     machine = probe(isa)
+    decoder = decoder_rows(isa)
     if isa != "avx512" or cpu_gemm.kernel() is None:
         return replace(
-            REFERENCE, name=f"cpu-{isa}", rms_norm=ops.rms_norm, attend_rows=ops, quant=quant, probe=machine
-        )
+            REFERENCE, name=f"cpu-{isa}", rms_norm=ops.rms_norm, silu_mul=ops.silu_mul, attend_rows=ops,
+            quant=quant, probe=machine, decoder=decoder,
+        )  # fmt: skip
     bf16 = cpu_gemm.kernel_bf16() is not None
     linears = (TiledF32(), BF16Layers()) if bf16 else (TiledF32(),)
     approx = (TiledBF16(), TorchApprox()) if bf16 else (TorchApprox(),)
     linears = (*linears, *REFERENCE.linears)
-    return Kernels("cpu-avx512", linears, approx, ops.rms_norm, ops, bf16, quant, machine)
+    return Kernels(
+        "cpu-avx512", linears, approx, ops.rms_norm, ops.silu_mul, ops, bf16, quant, machine, decoder
+    )

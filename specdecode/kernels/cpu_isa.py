@@ -13,6 +13,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -20,16 +22,20 @@ import torch
 from torch import Tensor
 
 from specdecode.kernels import build
+from specdecode.kernels.base import LayerWeights
 from specdecode.kernels.reference import rms_norm as torch_rms_norm
+from specdecode.kernels.reference import silu_mul as torch_silu_mul
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "quant_gemm.cpp", _HERE / "row_ops.cpp", _HERE / "probe.cpp")
+_SOURCES = (_HERE / "quant_gemm.cpp", _HERE / "row_ops.cpp", _HERE / "decoder.cpp", _HERE / "probe.cpp")
 _BUILDS = {  # compiler flags of each instruction set's build
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"),
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
     "generic": (),
 }
 HEAD_DIMS = (16, 32, 64, 128)  # head sizes the row attention is built for
+LAYOUT = "tiles32"  # quant_gemm.cpp's: 32 outputs interleaved block by block (the same on every build)
+UNIT = 32  # outputs of one unit of that layout
 
 
 @functools.cache
@@ -56,6 +62,12 @@ def library(isa: str) -> ctypes.CDLL | None:
     lib.specdecode_attend_rows.restype = n
     lib.specdecode_rms_norm.argtypes = [p, p, p, i, i, f]
     lib.specdecode_rms_norm.restype = None
+    lib.specdecode_silu_mul.argtypes = [p, i, i, p]
+    lib.specdecode_silu_mul.restype = None
+    # records, layers; x, T, C, H, Hkv, D, I, eps; caches, head stride; rows, slots, count, CSR;
+    # cos, sin, scale; prefill_from, threads
+    lib.specdecode_decoder_rows.argtypes = [p, n, p, i, i, i, i, i, i, f, p, i, p, p, i, p, p, p, p, f, i, n]
+    lib.specdecode_decoder_rows.restype = n
     lib.specdecode_peak_flops.argtypes = [n, i]
     lib.specdecode_peak_flops.restype = ctypes.c_double
     lib.specdecode_read_bandwidth.argtypes = [n, i]
@@ -81,6 +93,81 @@ def probe(isa: str) -> Probe | None:
     return None if lib is None else Probe(lib)
 
 
+# decoder.cpp's layer record: two norms, then four matrices of (bias, parts, 3 x (type, data, rows))
+MAX_PARTS, MATRIX = 3, 2 + 3 * 3
+RECORD = 2 + 4 * MATRIX
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Layers laid out for `decoder.cpp`: the records (L, RECORD) int64 and the shapes."""
+
+    records: Tensor
+    layers: tuple[LayerWeights, ...]  # keeps what the records point at alive
+    c: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    width: int  # the MLP's
+    eps: float
+
+
+class Decoder:
+    """`DecoderRows` of one instruction set's build (`decoder.cpp`)."""
+
+    def __init__(self, lib: ctypes.CDLL, quant_layout: str) -> None:
+        self._lib, self._layout = lib, quant_layout
+
+    def prepare(self, layers: Sequence[LayerWeights]) -> Prepared | None:
+        if not layers:
+            return None
+        first = layers[0]
+        shape = (first.heads, first.kv_heads, first.head_dim, first.eps)
+        if first.head_dim not in HEAD_DIMS:
+            return None
+        records = torch.zeros(len(layers), RECORD, dtype=torch.int64)
+        for i, layer in enumerate(layers):
+            if (layer.heads, layer.kv_heads, layer.head_dim, layer.eps) != shape:
+                return None
+            row = [layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr()]
+            for weight, bias in (
+                (layer.qkv, layer.qkv_bias), (layer.o, layer.o_bias),
+                (layer.gate_up, layer.gate_up_bias), (layer.down, layer.down_bias),
+            ):  # fmt: skip
+                if weight.layout != self._layout or len(weight.parts) > MAX_PARTS:
+                    return None
+                calls = [v for fmt, data, rows, _ in weight.calls for v in (fmt, data, rows)]
+                row += [0 if bias is None else bias.data_ptr(), len(weight.parts), *calls]
+                row += [0] * (3 * (MAX_PARTS - len(weight.parts)))
+            records[i] = torch.tensor(row, dtype=torch.int64)
+        c, width = first.attn_norm.numel(), first.down.in_features
+        return Prepared(records, tuple(layers), c, *shape[:3], width, shape[3])
+
+    def run(  # shapes: `base.DecoderRows`
+        self, prepared: object, x: Tensor, caches: Sequence[tuple[Tensor, Tensor]], rows: Tensor,
+        new_slots: Tensor, row_ptr: Tensor, idx: Tensor, cos: Tensor, sin: Tensor, prefill_from: int,
+    ) -> None:  # fmt: skip
+        assert isinstance(prepared, Prepared) and x.is_contiguous() and x.dtype == torch.float32
+        p = prepared
+        stride = caches[0][0].stride(0)
+        assert all(k.stride(0) == v.stride(0) == stride for k, v in caches)
+        pointers = torch.tensor([t.data_ptr() for pair in caches for t in pair], dtype=torch.int64)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        done = self._lib.specdecode_decoder_rows(
+            p.records.data_ptr(), p.records.shape[0], x.data_ptr(), x.shape[0], p.c, p.heads, p.kv_heads,
+            p.head_dim, p.width, p.eps, pointers.data_ptr(), stride, rows.data_ptr(), new_slots.data_ptr(),
+            rows.shape[0], row_ptr.data_ptr(), idx.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            1.0 / math.sqrt(p.head_dim), prefill_from, torch.get_num_threads(),
+        )  # fmt: skip
+        if done != 0:
+            raise ValueError(f"decoder kernel: cannot run these layers (code {done})")
+
+
+def decoder_rows(isa: str) -> Decoder | None:
+    lib = library(isa)
+    return None if lib is None else Decoder(lib, LAYOUT)
+
+
 class RowOps:
     """Row attention (the `AttendRows` interface) and RMS norm of one instruction set's build."""
 
@@ -88,6 +175,17 @@ class RowOps:
 
     def __init__(self, isa: str, lib: ctypes.CDLL) -> None:
         self.isa, self._lib = isa, lib
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        """(..., 2 I) -> SiLU(first half) * second half (..., I): one call instead of torch's four
+        ops for float32 on CPU without gradients; torch's otherwise (the same up to rounding)."""
+        if gate_up.dtype is not torch.float32 or not gate_up.is_cpu or gate_up.requires_grad:
+            return torch_silu_mul(gate_up)
+        gu = gate_up.contiguous()
+        width = gu.shape[-1] // 2
+        out = torch.empty(*gu.shape[:-1], width)
+        self._lib.specdecode_silu_mul(gu.data_ptr(), gu.numel() // (2 * width), width, out.data_ptr())
+        return out
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """x (..., C) -> RMS-normalised and scaled by `weight` (C,): one call instead of torch's

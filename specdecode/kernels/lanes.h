@@ -28,6 +28,11 @@ inline V add(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline V sub(V a, V b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline V mul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline V maxv(V a, V b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline V minv(V a, V b) { return {_mm512_min_ps(a.v, b.v)}; }
+inline V div(V a, V b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline V select_nonnegative(V x, V a, V b) {  // lane-wise x >= 0 ? a : b
+    return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(x.v, _mm512_setzero_ps(), _CMP_GE_OQ), b.v, a.v)};
+}
 inline V round_even(V a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 inline V pow2(V n) {  // 2^n for whole n in [-126, 127]
     const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127));
@@ -49,6 +54,13 @@ inline V add(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, 
 inline V sub(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
 inline V mul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline V maxv(V a, V b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline V minv(V a, V b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+inline V div(V a, V b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline V select_nonnegative(V x, V a, V b) {  // lane-wise x >= 0 ? a : b
+    const __m256 z = _mm256_setzero_ps();
+    return {_mm256_blendv_ps(b.lo, a.lo, _mm256_cmp_ps(x.lo, z, _CMP_GE_OQ)),
+            _mm256_blendv_ps(b.hi, a.hi, _mm256_cmp_ps(x.hi, z, _CMP_GE_OQ))};
+}
 inline V round_even(V a) {
     constexpr int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     return {_mm256_round_ps(a.lo, mode), _mm256_round_ps(a.hi, mode)};
@@ -92,6 +104,18 @@ inline V mul(V a, V b) {
 }
 inline V maxv(V a, V b) {
     for (int j = 0; j < 16; ++j) a.f[j] = a.f[j] > b.f[j] ? a.f[j] : b.f[j];
+    return a;
+}
+inline V minv(V a, V b) {
+    for (int j = 0; j < 16; ++j) a.f[j] = a.f[j] < b.f[j] ? a.f[j] : b.f[j];
+    return a;
+}
+inline V div(V a, V b) {
+    for (int j = 0; j < 16; ++j) a.f[j] /= b.f[j];
+    return a;
+}
+inline V select_nonnegative(V x, V a, V b) {  // lane-wise x >= 0 ? a : b
+    for (int j = 0; j < 16; ++j) a.f[j] = x.f[j] >= 0.0f ? a.f[j] : b.f[j];
     return a;
 }
 inline V round_even(V a) {

@@ -15,10 +15,7 @@ import torch
 from torch import Tensor
 
 from specdecode.kernels.base import GGUF_LAYOUT, QUANT_FORMATS, QuantPart, QuantWeight
-from specdecode.kernels.cpu_isa import library
-
-LAYOUT = "tiles32"  # quant_gemm.cpp's: 32 outputs interleaved block by block (the same on every build)
-UNIT = 32  # outputs of one unit of that layout
+from specdecode.kernels.cpu_isa import LAYOUT, UNIT, library
 
 
 class QuantCPU:

@@ -59,11 +59,17 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """(..., 2 I) -> SiLU(gate) * up (..., I), the SwiGLU MLP's middle."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 # On a CPU the approximate bfloat16 product halves the LM head's bytes for the greedy screen; on
 # an accelerator the exact product is as cheap, so `EXACT` offers none.
 TORCH_LINEAR = TorchLinear()  # the layers' kernel until one is bound, and every set's last resort
-REFERENCE = Kernels("torch", (TORCH_LINEAR,), (TorchApprox(),), rms_norm)
-EXACT = Kernels("torch-exact", (TORCH_LINEAR,), (), rms_norm)
+REFERENCE = Kernels("torch", (TORCH_LINEAR,), (TorchApprox(),), rms_norm, silu_mul)
+EXACT = Kernels("torch-exact", (TORCH_LINEAR,), (), rms_norm, silu_mul)
 
 
 def dequantize(weight: QuantWeight) -> Tensor:

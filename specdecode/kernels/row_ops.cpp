@@ -111,6 +111,14 @@ void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, in
     }
 }
 
+// SiLU(x) * up: e = exp(-|x|) <= 1, sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) below.
+inline V silu_times(V x, V up) {
+    const V e = exp_nonpositive(minv(x, sub(zero(), x)));
+    const V one = set1(1.0f);
+    const V sig = select_nonnegative(x, div(one, add(one, e)), div(e, add(one, e)));
+    return mul(mul(x, sig), up);
+}
+
 }  // namespace
 
 extern "C" {
@@ -161,6 +169,25 @@ void specdecode_rms_norm(const float* x, const float* w, float* y, int64_t M, in
         const V s = set1(scale);
         for (c = 0; c + 16 <= C; c += 16) storev(yr + c, mul(mul(loadv(xr + c), s), loadv(w + c)));
         for (; c < C; ++c) yr[c] = xr[c] * scale * w[c];
+    }
+}
+
+// out (M, I) = SiLU(gu[:, :I]) * gu[:, I:] for gu (M, 2 I): x * sigmoid(x) * up, sigmoid through
+// exp of -|x| (lanes.h), each lane on its own, so a row's result does not depend on M.
+void specdecode_silu_mul(const float* gu, int64_t M, int64_t I, float* out) {
+    for (int64_t m = 0; m < M; ++m) {
+        const float* g = gu + m * 2 * I;
+        const float* u = g + I;
+        float* o = out + m * I;
+        int64_t i = 0;
+        for (; i + 16 <= I; i += 16) storev(o + i, silu_times(loadv(g + i), loadv(u + i)));
+        if (i < I) {  // the last lanes, padded
+            float gt[16] = {}, ut[16] = {}, ot[16];
+            std::copy(g + i, g + I, gt);
+            std::copy(u + i, u + I, ut);
+            storev(ot, silu_times(loadv(gt), loadv(ut)));
+            std::copy(ot, ot + (I - i), o + i);
+        }
     }
 }
 

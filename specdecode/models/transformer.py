@@ -23,15 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdecode.attention import AttentionPlan, Segment
 from specdecode.errors import SpecDecodeError
-from specdecode.kernels import REFERENCE, Kernels, QuantPart, QuantWeight, select
+from specdecode.kernels import REFERENCE, DecoderRows, Kernels, LayerWeights, QuantPart, QuantWeight, select
 from specdecode.kv_cache import KVCache
 from specdecode.layers import bind_kernels
-from specdecode.layers.linear import Dense, Embedding, RMSNorm
+from specdecode.layers.linear import Dense, Embedding, RMSNorm, prefill_rows
 from specdecode.layers.lm_head import ApproxHead, LMHead
 from specdecode.layers.rotary import Rotary
 from specdecode.models.config import ModelConfig
@@ -100,8 +99,30 @@ class Block(nn.Module):
         q, k, v = heads.split([self.n_heads, self.n_kv, self.n_kv], dim=1)
         att = plan.attend(self.index, q, k, v, cos, sin, self.kernels)  # (B, H, T, D), rotary inside
         x = x + self.o(att.transpose(1, 2).reshape(b, t, -1), p)
-        gate, up = self.gate_up(self.mlp_norm(x), p).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up, p)
+        return x + self.down(self.kernels.silu_mul(self.gate_up(self.mlp_norm(x), p)), p)
+
+    def weights(self) -> LayerWeights | None:
+        """The layer as `DecoderRows` takes it, where every matrix is held by the quantized
+        kernel and it normalises its input (None otherwise)."""
+        denses = (self.qkv, self.o, self.gate_up, self.down)
+        quant = self.kernels.quant
+        if quant is None or any(d.quantized is None or d.kernel is not quant for d in denses):
+            return None
+        if not isinstance(self.attn_norm, RMSNorm) or self.attn_norm.eps != self.mlp_norm.eps:
+            return None
+        if self.attn_norm.weight.dtype != torch.float32:
+            return None
+        qkv, o, gate_up, down = (d.quantized for d in denses)
+        assert qkv is not None and o is not None and gate_up is not None and down is not None
+        return LayerWeights(
+            self.attn_norm.weight.detach(), self.mlp_norm.weight.detach(), self.attn_norm.eps,
+            qkv, _bias(self.qkv), o, _bias(self.o), gate_up, _bias(self.gate_up), down, _bias(self.down),
+            self.n_heads, self.n_kv, self.head_dim,
+        )  # fmt: skip
+
+
+def _bias(dense: Dense) -> torch.Tensor | None:
+    return None if dense.bias is None else dense.bias.detach()
 
 
 class Transformer(nn.Module):
@@ -116,6 +137,9 @@ class Transformer(nn.Module):
         self.rotary = Rotary(config)
         self.head = LMHead(self.embed, self.lm_head)  # reads the LM head (not a module of its own)
         self.kernels = REFERENCE
+        # Every layer in one kernel call (`Kernels.decoder`), where the layers allow: set by
+        # `bind_kernels`, used by `forward_plan` when every row goes through the row attention.
+        self._decoder: tuple[DecoderRows, object] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -155,6 +179,17 @@ class Transformer(nn.Module):
         caller commits the plan). Returns hidden states (B, T, C)."""
         cos, sin = self.rotary(positions, self.dtype)
         x = self.embed(input_ids)
+        if self._decoder is not None and not torch.is_grad_enabled() and x.shape[0] == 1:
+            rows = plan.kernel_rows(self.kernels, self.config.head_dim, x.dtype, x.device)
+            if rows is not None:  # every row through the row attention: all layers in one call
+                decoder, prepared = self._decoder
+                flat = x[0].contiguous()  # (T, C)
+                caches = [rows.cache.layer_slots(i) for i in range(len(self.layers))]
+                decoder.run(
+                    prepared, flat, caches, rows.rows, rows.new_slots, rows.row_ptr, rows.idx, cos[0, 0],
+                    sin[0, 0], prefill_rows(flat.shape[0], plan.prefill_from),
+                )  # fmt: skip
+                return self.norm(flat[None])
         for layer in self.layers:
             x = layer(x, cos, sin, plan)
         return self.norm(x)
@@ -339,6 +374,12 @@ class Transformer(nn.Module):
         self.kernels = kernels or select(self.device)
         for layer in self.layers:
             bind_kernels(layer, self.kernels)
+        self._decoder = None
+        weights = [layer.weights() for layer in self.layers]
+        if self.kernels.decoder is not None and all(w is not None for w in weights):
+            prepared = self.kernels.decoder.prepare(weights)  # type: ignore[arg-type]
+            if prepared is not None:
+                self._decoder = self.kernels.decoder, prepared
         self.norm.bind_kernels(self.kernels)
         if self.lm_head is not None:
             self.lm_head.bind_kernels(self.kernels, pack=False)

@@ -1,0 +1,92 @@
+// A whole decoding forward's layers in one call: for each pre-norm decoder layer (Llama, Qwen2),
+// RMS norm -> q|k|v -> row attention (rotary inside) -> o -> residual -> RMS norm -> gate|up ->
+// SiLU(gate) * up -> down -> residual, over the T rows of x, with the same kernels the layers call
+// one by one from Python (specdecode_rms_norm, specdecode_qmm, specdecode_attend_rows,
+// specdecode_silu_mul), in the same order, so both ways give the same bits. What it saves is the
+// Python between them: ~20 calls a layer, about half of a small model's one-token forward.
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+extern "C" {
+int specdecode_qmm(int format, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y,
+                   int64_t ldy, int threads, int prefill);
+int specdecode_attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, int64_t k_sh, int64_t k_st,
+                           const float* vn, int64_t v_sh, int64_t v_st, float* kc, float* vc, int64_t c_sh,
+                           const int64_t* rows, const int64_t* new_slot, int64_t n_rows, const int64_t* row_ptr,
+                           const int64_t* idx, float* out, int64_t o_st, int64_t Hq, int64_t Hkv, int64_t D,
+                           float scale, const float* cos, const float* sin, int threads);
+void specdecode_rms_norm(const float* x, const float* w, float* y, int64_t M, int64_t C, float eps);
+void specdecode_silu_mul(const float* gu, int64_t M, int64_t I, float* out);
+}
+
+namespace {
+
+// A layer's record (int64 each, see decoder.py): the two norms' weights, then each matrix
+// (q|k|v, o, gate|up, down) as its bias (0: none), its number of parts and each part's ggml
+// type, data and rows (up to MAX_PARTS).
+constexpr int MAX_PARTS = 3, MATRIX = 2 + 3 * MAX_PARTS, RECORD = 2 + 4 * MATRIX;
+
+// y (T, N) = x (T, K) @ W^T + bias, rows before `prefill_from` with the decoding arithmetic.
+int product(const int64_t* m, const float* x, int64_t T, int64_t K, int64_t N, float* y, int64_t prefill_from,
+            int threads) {
+    const float* bias = reinterpret_cast<const float*>(m[0]);
+    int64_t first = 0;
+    for (int p = 0; p < m[1]; ++p) {
+        const int64_t* part = m + 2 + 3 * p;
+        const int fmt = int(part[0]);
+        const auto* w = reinterpret_cast<const uint8_t*>(part[1]);
+        const int64_t rows = part[2];
+        const int64_t d = prefill_from < T ? prefill_from : T;
+        if (d > 0 && specdecode_qmm(fmt, x, d, K, w, rows, y + first, N, threads, 0)) return 1;
+        if (d < T && specdecode_qmm(fmt, x + d * K, T - d, K, w, rows, y + d * N + first, N, threads, 1)) return 1;
+        first += rows;
+    }
+    if (first != N) return 1;
+    if (bias != nullptr)
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t n = 0; n < N; ++n) y[t * N + n] += bias[n];
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// x (T, C) through `n_layers` layers (records RECORD int64 each), in place. Attention as
+// specdecode_attend_rows takes it: each layer's cache (caches: key, value pointer per layer, head
+// stride c_sh), the rows' slots and CSR, the rotary tables (T, D). H, Hkv heads of D; I the MLP's
+// width. 0 when done; 1: a matrix the products do not take; 2: attention refused the shapes.
+int specdecode_decoder_rows(const int64_t* layers, int n_layers, float* x, int64_t T, int64_t C, int64_t H,
+                            int64_t Hkv, int64_t D, int64_t I, float eps, const int64_t* caches, int64_t c_sh,
+                            const int64_t* rows, const int64_t* new_slot, int64_t n_rows, const int64_t* row_ptr,
+                            const int64_t* idx, const float* cos, const float* sin, float scale,
+                            int64_t prefill_from, int threads) {
+    const int64_t qkv_n = (H + 2 * Hkv) * D, att_n = H * D;
+    std::vector<float> h(size_t(T * C)), qkv(size_t(T * qkv_n)), att(size_t(T * att_n)), out(size_t(T * C));
+    std::vector<float> gu(size_t(T * 2 * I)), act(size_t(T * I));
+    for (int l = 0; l < n_layers; ++l) {
+        const int64_t* rec = layers + int64_t(l) * RECORD;
+        const auto* attn_norm = reinterpret_cast<const float*>(rec[0]);
+        const auto* mlp_norm = reinterpret_cast<const float*>(rec[1]);
+        const int64_t *m_qkv = rec + 2, *m_o = m_qkv + MATRIX, *m_gu = m_o + MATRIX, *m_down = m_gu + MATRIX;
+        specdecode_rms_norm(x, attn_norm, h.data(), T, C, eps);
+        if (product(m_qkv, h.data(), T, C, qkv_n, qkv.data(), prefill_from, threads)) return 1;
+        const float* q = qkv.data();
+        if (specdecode_attend_rows(q, D, qkv_n, q + att_n, D, qkv_n, q + att_n + Hkv * D, D, qkv_n,
+                                   reinterpret_cast<float*>(caches[2 * l]), reinterpret_cast<float*>(caches[2 * l + 1]),
+                                   c_sh, rows, new_slot, n_rows, row_ptr, idx, att.data(), att_n, H, Hkv, D, scale, cos,
+                                   sin, threads))
+            return 2;
+        if (product(m_o, att.data(), T, att_n, C, out.data(), prefill_from, threads)) return 1;
+        for (int64_t i = 0; i < T * C; ++i) x[i] = x[i] + out[i];
+        specdecode_rms_norm(x, mlp_norm, h.data(), T, C, eps);
+        if (product(m_gu, h.data(), T, C, 2 * I, gu.data(), prefill_from, threads)) return 1;
+        specdecode_silu_mul(gu.data(), T, I, act.data());
+        if (product(m_down, act.data(), T, I, C, out.data(), prefill_from, threads)) return 1;
+        for (int64_t i = 0; i < T * C; ++i) x[i] = x[i] + out[i];
+    }
+    return 0;
+}
+
+}  // extern "C"
