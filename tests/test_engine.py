@@ -685,3 +685,19 @@ def test_trained_drafters_in_the_engine_match_their_solo_run(method: str) -> Non
         assert seq.req.output_ids == solo[name].token_ids, name
         tau, tau_solo = seq.req.stats.mean_accepted_length, solo[name].stats.mean_accepted_length
         assert abs(tau - tau_solo) <= 0.05 * tau_solo, (name, tau, tau_solo)
+
+
+def test_policy_keeps_plain_and_drafting_overheads_apart() -> None:
+    """Steps that verify drafts cost more beyond the forward than plain ones (trees, walks,
+    compaction): each kind has its own running overhead, and one slow drafting step fades back
+    to the plain figure while nothing drafts, so it cannot stop drafting for good."""
+    policy = SpeculationPolicy(LatencyCurve(((1, 0.004), (4, 0.006))))
+    for _ in range(50):
+        policy.observe_step(0.005, 1, 0.0, drafted=False)  # 1 ms beyond a 4 ms forward
+    policy.observe_step(0.007 + 0.5, 4, 0.0, drafted=True)  # one drafting step with a 0.5 s pause
+    assert abs(policy.overhead - 0.001) < 1e-4 and policy.draft_overhead > 0.04
+    grant = Candidate(max_draft=3, accept_rates=[0.9, 0.8, 0.7], draft_cost=0.0)
+    assert policy.budgets([grant], 1, 8) == [0]  # the pause makes drafting look ruinous
+    for _ in range(60):
+        policy.observe_step(0.005, 1, 0.0, drafted=False)
+    assert policy.budgets([grant], 1, 8) == [3]  # forgotten: drafting pays again

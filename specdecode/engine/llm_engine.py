@@ -316,6 +316,7 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         """One iteration: schedule -> propose -> one batched target forward -> verify -> commit."""
         t0 = time.perf_counter()
+        curve_known = self.policy is not None and self.policy.measured
         budget = self.config.max_batch_tokens
         running = self.scheduler.running
 
@@ -373,9 +374,10 @@ class LLMEngine:
         if plans or chunks:
             hidden = self._forward(plans, chunks)
             deltas = self._commit(plans, chunks, hidden)
-        if self.policy is not None and plans:
+        if self.policy is not None and plans and curve_known:  # not the step that measured it
             rows = sum(p[1].length for p in plans) + sum(c[1].length for c in chunks)
-            self.policy.observe_step(time.perf_counter() - t0, rows, draft_seconds)
+            drafted = any(p[1].length > 1 for p in plans)
+            self.policy.observe_step(time.perf_counter() - t0, rows, draft_seconds, drafted)
         self._update_gauges()
         return deltas
 

@@ -10,9 +10,10 @@ The policy maximises the batch's expected tokens per second under two measured m
 - cost: `step_seconds(T) = latency(T) + overhead + sum of drafting costs`, with `latency` the
   target's forward-latency curve over T tokens (measured on this model and machine when the
   engine starts), `overhead` a running average of what a step costs beyond it (scheduling,
-  per-request Python, cache gathers), and each request's drafting cost per draft token (a running
-  average of its drafter's `propose` time: nearly zero for prompt lookup, a draft model's
-  forwards for draft_model).
+  per-request Python, cache gathers; one average for plain steps and one for steps that verify
+  drafts, whose trees, masks, walks and cache compaction cost more), and each request's drafting
+  cost per draft token (a running average of its drafter's `propose` time: nearly zero for prompt
+  lookup, a draft model's forwards for draft_model).
 - gain: a request's d-th draft token adds `p_d` expected tokens, where `p_d` is the rate at which
   its position d was accepted so far (the request's own counts, shrunk towards its method's
   engine-wide rates, which start from an optimistic prior of 0.8^d: a method the policy never let
@@ -97,7 +98,8 @@ class SpeculationPolicy:
 
     def __init__(self, curve: LatencyCurve | Callable[[], LatencyCurve]) -> None:
         self._curve = curve
-        self.overhead = 0.0  # seconds per step beyond the forward (running average)
+        self.overhead = 0.0  # seconds per plain step beyond the forward (running average)
+        self.draft_overhead = 0.0  # the same for steps that verify drafts
 
     @property
     def measured(self) -> bool:
@@ -121,14 +123,13 @@ class SpeculationPolicy:
             key=lambda x: (-x[0], x[1]),
         )
         gains = gains[: max(0, max_tokens - base_tokens)]
-        fixed = self.overhead
         tokens = float(len(candidates))
-        best_x, best_rate = 0, tokens / (self.curve(base_tokens) + fixed)
+        best_x, best_rate = 0, tokens / (self.curve(base_tokens) + self.overhead)
         draft_seconds = 0.0
         for x, (p, _, i) in enumerate(gains, start=1):
             tokens += p
             draft_seconds += candidates[i].draft_cost
-            rate = tokens / (self.curve(base_tokens + x) + fixed + draft_seconds)
+            rate = tokens / (self.curve(base_tokens + x) + self.draft_overhead + draft_seconds)
             if rate > best_rate:
                 best_x, best_rate = x, rate
         out = [0] * len(candidates)
@@ -136,13 +137,20 @@ class SpeculationPolicy:
             out[i] += 1
         return out
 
-    def observe_step(self, seconds: float, tokens: int, draft_seconds: float) -> None:
-        """Update the overhead estimate from a step that took `seconds` over `tokens` rows
-        (nothing before the curve is measured: no budget was asked for yet)."""
+    def observe_step(self, seconds: float, tokens: int, draft_seconds: float, drafted: bool) -> None:
+        """Update the overhead estimate of plain steps, or of steps that verified drafts
+        (`drafted`), from one that took `seconds` over `tokens` rows (nothing before the curve is
+        measured: no budget was asked for yet)."""
         if not self.measured:
             return
         extra = max(0.0, seconds - self.curve(tokens) - draft_seconds)
-        self.overhead += EMA * (extra - self.overhead)
+        if drafted:
+            self.draft_overhead += EMA * (extra - self.draft_overhead)
+        else:
+            self.overhead += EMA * (extra - self.overhead)
+            # Unmeasured while nothing drafts: drift back to the plain steps' figure, so that one
+            # slow drafting step (a pause) cannot keep every request from drafting for good.
+            self.draft_overhead += EMA * (self.overhead - self.draft_overhead)
 
 
 def accept_rates(
