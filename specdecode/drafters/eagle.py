@@ -19,7 +19,9 @@ ancestors' pairs (tree attention), give g_{n+1|y} and LM of it proposes y's chil
 on, one head forward per depth over all nodes of that depth. After verification the target's
 features of the root and the accepted path (rows of `StepResult.hidden`) replace the guesses:
 the tree's pairs are dropped (rollback) and the m+1 new pairs (a_1, f_n), ..., (bonus, f_{n+m})
-are appended in one forward; nothing earlier is re-run.
+are appended in one forward; nothing earlier is re-run. (They wait until the head next drafts:
+a step without a draft budget runs no head forward, and the pairs of several such steps run in
+one.)
 
 Trees (both lossless, the verifier decides; see `EagleDrafter`):
 - EAGLE-1: a static tree `eagle_choices` (the medusa_choices format, `tree.from_choices`): the
@@ -463,6 +465,9 @@ class EagleDrafter(Drafter):
             self.tree_slots = grow[1] * (grow[0] - 1)
         self.cache: KVCache = head.new_cache(1, target.dtype, target.device)
         self.last: Tensor | None = None  # (C,) head output at the last decided pair: guesses f_n
+        # Decided pairs observed but not yet run through the head: run when it next drafts, all
+        # in one forward (a step the load policy gives no budget then costs the head nothing).
+        self.pending: list[tuple[list[int], Tensor]] = []
 
     @classmethod
     def static(
@@ -486,7 +491,7 @@ class EagleDrafter(Drafter):
         (`EagleHead.draft_head`); what is declared to the verifier comes from these very logits."""
         return self.head.draft_head(self.target)(guesses)
 
-    # ---- the decided pairs: the head cache holds exactly these between steps -------------------
+    # ---- the decided pairs: the head cache and `pending` hold exactly these between steps ------
 
     def _commit(self, tokens: list[int], features: Tensor) -> None:
         """Append the pairs (tokens[i], features[i]) (features (T, C)); keep the last output."""
@@ -503,7 +508,7 @@ class EagleDrafter(Drafter):
         """Pairs (x_{t+1}, f_t) of the prompt: `prompt_hidden` (P-1, C) holds positions 0 .. P-2."""
         size = req.max_len + self.tree_slots
         self.cache = self.head.new_cache(size, self.target.dtype, self.target.device)
-        self.last = None
+        self.last, self.pending = None, []
         if prompt_hidden.shape[0] > 0:
             self._commit(req.prompt_ids[1:], prompt_hidden)
 
@@ -511,14 +516,23 @@ class EagleDrafter(Drafter):
         """Append (a_1, f_n), ..., (a_m, f_{n+m-1}), (bonus, f_{n+m}): the target's features of
         the root and the accepted path, with the tokens that followed each."""
         rows = [0, *result.verdict.accepted_nodes]
-        self._commit(result.verdict.tokens, result.hidden[rows])
+        self.pending.append((result.verdict.tokens, result.hidden[rows].clone()))
+
+    def _catch_up(self) -> None:
+        """Run the pending pairs through the head (see `pending`)."""
+        if self.pending:
+            tokens = [t for ts, _ in self.pending for t in ts]
+            features = torch.cat([f for _, f in self.pending])  # (n, C)
+            self.pending = []
+            self._commit(tokens, features)
 
     # ---- drafting ------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def propose(self, req: Request, budget: int | None = None) -> Proposal:
-        if (opening := opening_proposal(req, self.last is not None)) is not None:
+        if (opening := opening_proposal(req, self.last is not None or bool(self.pending))) is not None:
             return opening
+        self._catch_up()
         room = req.max_len - len(req.all_ids)  # draft nodes the request's cache still holds
         if budget is not None:  # no deeper than the budget: one head forward per depth
             room = min(room, budget)

@@ -143,6 +143,8 @@ class EngineStats:
     drafts_accepted: dict[str, int] = field(default_factory=dict)
     accepted_by_position: dict[str, list[int]] = field(default_factory=dict)
     proposed_by_position: dict[str, list[int]] = field(default_factory=dict)  # steps offering position i
+    # Running average of each method's drafting seconds per draft token, over its requests.
+    draft_cost: dict[str, float] = field(default_factory=dict)
     # Seconds from a request's arrival to its first token, and per output token after the first
     # (each finished request's decode time / its tokens after the first).
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
@@ -343,11 +345,16 @@ class LLMEngine:
                 spent = time.perf_counter() - tp
                 draft_seconds += spent
                 seq.draft_cost += EMA * (spent / k - seq.draft_cost)
+                method = self.stats.draft_cost.get(seq.method, spent / k)
+                self.stats.draft_cost[seq.method] = method + EMA * (spent / k - method)
                 seq.idle_steps = 0
             elif seq.drafter is not None:
-                # Not measured this step: let the estimate fade, so that one slow `propose` (a
-                # pause, a first-call index build) cannot keep a request from drafting for good.
-                seq.draft_cost *= 1 - EMA
+                # Not measured this step: let the estimate drift to its method's, so that one slow
+                # `propose` (a pause, a first-call index build) cannot keep a request from drafting
+                # for good. (Fading to zero instead made drafters that cost more than they gain
+                # look free again after a few plain steps: they drafted one step in four at a loss.)
+                method = self.stats.draft_cost.get(seq.method, 0.0)
+                seq.draft_cost += EMA * (method - seq.draft_cost)
                 seq.idle_steps += 1
             plan = StepPlan.prepare(req, proposal, self.device)
             if not self.scheduler.make_room(seq, plan.length):
@@ -408,7 +415,8 @@ class LLMEngine:
             rates = accept_rates(
                 stats.proposed_by_position, stats.accepted_by_position, prior, depth, FORGET**seq.idle_steps
             )
-            candidates.append(Candidate(depth, rates, seq.draft_cost))
+            cost = seq.draft_cost if seq.draft_cost > 0 else self.stats.draft_cost.get(seq.method, 0.0)
+            candidates.append(Candidate(depth, rates, cost))
         chosen = iter(self.policy.budgets(candidates, base_tokens, rows) if candidates else [])
         return [next(chosen) if k is None else k for k in fixed]
 
