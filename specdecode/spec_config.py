@@ -35,7 +35,8 @@ class DraftModelConfig:
 
     `use_draft_logits`: verify by rejection sampling with the draft's distribution (on) or by
     matching the draft's tokens as point masses (off). Greedy decoding is token matching either way.
-    `draft_dtype`: the draft's weights; "auto" is bfloat16 for a float32 target on a CPU with the
+    `draft_dtype`: the draft's weights; "auto" runs a GGUF draft's weights as stored where the
+    target's kernels run stored weights, else is bfloat16 for a float32 target on a CPU with the
     bf16 kernel (half the bytes per draft token; a draft needs no exactness, the verifier decides),
     else the target's dtype.
     """

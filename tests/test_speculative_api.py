@@ -173,10 +173,19 @@ def test_cli_method_flags(tiny_paths, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_draft_dtype(llm: LLM, tiny_paths) -> None:
-    """auto: a float32 target on a CPU with the bf16 kernel drafts in bfloat16; or as asked."""
+    """auto: a GGUF draft runs as stored where the target's kernels run stored weights (its Q8_0
+    blocks, float32 activations); another draft of a float32 target on a CPU with the bf16 kernel
+    in bfloat16; or as asked."""
     draft = str(tiny_paths[1])
-    auto = torch.bfloat16 if llm.model.kernels.fast_bf16 else torch.float32
-    assert llm.drafters.draft_model(draft, "auto").dtype == auto
+    if llm.model.kernels.quant is not None:
+        layers = (".attn_q", ".attn_k", ".attn_v", ".attn_output", ".ffn_gate", ".ffn_up", ".ffn_down")
+        formats = {f"{name}.weight": "Q8_0" for name in layers}
+        q8 = write_tiny_gguf(tiny_paths[1].parent / "q8.gguf", "llama", seed=1, width=4, formats=formats)
+        stored = llm.drafters.draft_model(str(q8.path), "auto")
+        assert stored.dtype == torch.float32 and stored.layers[0].qkv.kernel is llm.model.kernels.quant
+    else:  # no quantized kernels here (SPECDECODE_CPU_ISA=off, no compiler)
+        auto = torch.bfloat16 if llm.model.kernels.fast_bf16 else torch.float32
+        assert llm.drafters.draft_model(draft, "auto").dtype == auto
     assert llm.drafters.draft_model(draft, "float32").dtype == torch.float32
     assert llm.drafters.draft_model(draft, "bfloat16").dtype == torch.bfloat16
 

@@ -32,7 +32,8 @@ from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.errors import SpecDecodeError
 from specdecode.layers import bind_kernels
 from specdecode.models.config import ModelConfig
-from specdecode.models.loader import resolve_dtype, resolve_model
+from specdecode.models.gguf import source_gguf
+from specdecode.models.loader import load_target, resolve_dtype, resolve_model
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.models.transformer import Transformer
 from specdecode.spec_config import (
@@ -112,7 +113,14 @@ class DrafterFactory:
     def draft_model(self, name: str, dtype: str = "auto") -> Transformer:
         """The draft model `name` in `dtype` (see `DraftModelConfig.draft_dtype`), loaded once and
         checked to share the target's vocabulary."""
-        if dtype == "auto":
+        path = resolve_model(name, progress=self.progress)
+        # "auto": a GGUF draft for a target that runs its weights as stored runs its own as stored
+        # too (the 0.5B Qwen draft: 0.49 GB a token instead of 0.99 GB in bfloat16).
+        stored_here = self.target.kernels.quant is not None
+        as_stored = dtype == "auto" and stored_here and source_gguf(path) is not None
+        if as_stored:
+            use: torch.dtype | str = "stored"
+        elif dtype == "auto":
             use = self.target.dtype
             if use == torch.float32 and self.target.kernels.fast_bf16:
                 use = torch.bfloat16
@@ -120,7 +128,6 @@ class DrafterFactory:
             use = resolve_dtype(dtype)
 
         def make() -> Transformer:
-            path = resolve_model(name, progress=self.progress)
             if self.tokenizer is None:
                 raise SpecDecodeError("a draft model needs the target's tokenizer to check its vocabulary")
             check_vocabularies(
@@ -131,6 +138,8 @@ class DrafterFactory:
                 self.target.config.vocab_size,
                 ModelConfig.from_dir(path).vocab_size,
             )
+            if as_stored:
+                return load_target(path, "auto", self.target.device)
             return Transformer.from_dir(path, use, self.target.device)
 
         return self.load("draft_model", name, use, make)
