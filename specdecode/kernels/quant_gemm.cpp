@@ -174,12 +174,15 @@ inline void nibbles(const uint8_t* p, V& lo, V& hi) {
 
 // Each format: `weights` and `bytes` of a GGUF block; `packed`, the bytes of a tile's block (16
 // outputs' blocks, laid out again by `pack`, which takes the 16 outputs' GGUF blocks); `Group`,
-// a group of a tile's block ready to decode (`group` makes it), and `quants`, step j's quants.
-
-struct Q4_0_ {  // d (16 x fp16), then 16 steps x 16 bytes of nibble pairs
-    static constexpr int weights = 32, bytes = 18, packed = TILE * bytes;
-    static constexpr bool uniform = true;  // both halves of a group share their scales
+// a group of a tile's block ready to decode (`group` makes it), `quants`, step j's quants, and
+// `uniform`, whether both halves of a group share their scales.
+struct Uniform {
+    static constexpr bool uniform = true;
     using Group = lanes_group;
+};
+
+struct Q4_0_ : Uniform {  // d (16 x fp16), then 16 steps x 16 bytes of nibble pairs
+    static constexpr int weights = 32, bytes = 18, packed = TILE * bytes;
     static void pack(const uint8_t* const* src, uint8_t* dst) {
         for (int c = 0; c < TILE; ++c) {
             std::memcpy(dst + 2 * c, src[c], 2);
@@ -193,10 +196,8 @@ struct Q4_0_ {  // d (16 x fp16), then 16 steps x 16 bytes of nibble pairs
     static void quants(const Group& g, int j, V& lo, V& hi) { nibbles(g.q + 16 * j, lo, hi); }
 };
 
-struct Q4_1_ {  // d, m (16 x fp16 each), nibble pairs
+struct Q4_1_ : Uniform {  // d, m (16 x fp16 each), nibble pairs
     static constexpr int weights = 32, bytes = 20, packed = TILE * bytes;
-    static constexpr bool uniform = true;  // both halves of a group share their scales
-    using Group = lanes_group;
     static void pack(const uint8_t* const* src, uint8_t* dst) {
         for (int c = 0; c < TILE; ++c) {
             std::memcpy(dst + 2 * c, src[c], 2);
@@ -213,7 +214,7 @@ struct Q4_1_ {  // d, m (16 x fp16 each), nibble pairs
 
 struct Q5_0_ {  // d, the fifth bits (16 x uint32: bit k of output c), nibble pairs
     static constexpr int weights = 32, bytes = 22, packed = TILE * bytes;
-    static constexpr bool uniform = true;  // both halves of a group share their scales
+    static constexpr bool uniform = true;
     static void pack(const uint8_t* const* src, uint8_t* dst) {
         for (int c = 0; c < TILE; ++c) {
             std::memcpy(dst + 2 * c, src[c], 2);
@@ -235,10 +236,8 @@ struct Q5_0_ {  // d, the fifth bits (16 x uint32: bit k of output c), nibble pa
     }
 };
 
-struct Q8_0_ {  // d, then 16 steps x (16 int8 at j, 16 at j + 16)
+struct Q8_0_ : Uniform {  // d, then 16 steps x (16 int8 at j, 16 at j + 16)
     static constexpr int weights = 32, bytes = 34, packed = TILE * bytes;
-    static constexpr bool uniform = true;  // both halves of a group share their scales
-    using Group = lanes_group;
     static void pack(const uint8_t* const* src, uint8_t* dst) {
         for (int c = 0; c < TILE; ++c) {
             std::memcpy(dst + 2 * c, src[c], 2);
@@ -272,10 +271,8 @@ inline void q4_k_scale(const uint8_t* s, int g, int& sc, int& mn) {
 // d, dmin (16 x fp16 each); per group of 32: scales (16 bytes), mins (16 bytes), nibble pairs.
 // GGUF keeps groups 2i and 2i + 1 as the low and high nibbles of the same 32 bytes; here each
 // group has its own, paired as the other formats' (weights j and j + 16 in a byte).
-struct Q4_K_ {
+struct Q4_K_ : Uniform {
     static constexpr int weights = 256, bytes = 144, group_bytes = 32 + 256, packed = 64 + 8 * group_bytes;
-    static constexpr bool uniform = true;  // both halves of a group share their scales
-    using Group = lanes_group;
     static void pack(const uint8_t* const* src, uint8_t* dst) {
         for (int c = 0; c < TILE; ++c) {
             const uint8_t* b = src[c];
@@ -311,7 +308,7 @@ struct Q4_K_ {
 // i + 8, i + 24 in bit pairs 0, 1, 2, 3.
 struct Q6_K_ {
     static constexpr int weights = 256, bytes = 210, group_bytes = 32 + 256 + 128, packed = 32 + 8 * group_bytes;
-    static constexpr bool uniform = false;  // both halves of a group share their scales
+    static constexpr bool uniform = false;  // each half of a group has its own scale
     using Group = lanes_group;
     static void pack(const uint8_t* const* src, uint8_t* dst) {
         for (int c = 0; c < TILE; ++c) {
@@ -496,25 +493,33 @@ __attribute__((noinline)) void few_rows(const float* x, const float* xs, int64_t
 constexpr int64_t SCRATCH_TILE = (4 + 16 * 2) * TILE;  // floats a group and tile
 constexpr int64_t SCRATCH_GROUP = 2 * SCRATCH_TILE;
 
-template <class F>
-void decode_unit(const uint8_t* unit, int64_t K, float* w) {
+// Each group of a unit's blocks in order, the next blocks prefetched: fn(its group of tile 0, of
+// tile 1).
+template <class F, class Fn>
+void each_group(const uint8_t* unit, int64_t K, const Fn& fn) {
     constexpr int groups = F::weights / 32;
     for (int64_t b = 0; b < K / F::weights; ++b) {
         prefetch_ahead(unit + 2 * b * F::packed, 2 * F::packed);
-        for (int i = 0; i < groups; ++i) {
-            for (int c = 0; c < 2; ++c, w += SCRATCH_TILE) {
-                const typename F::Group g = F::group(unit + (2 * b + c) * F::packed, i);
-                storev(w, g.a_lo), storev(w + TILE, g.a_hi), storev(w + 2 * TILE, g.b_lo);
-                storev(w + 3 * TILE, g.b_hi);
-                for (int j = 0; j < 16; ++j) {
-                    V lo, hi;
-                    F::quants(g, j, lo, hi);
-                    storev(w + (4 + 2 * j) * TILE, lo);
-                    storev(w + (5 + 2 * j) * TILE, hi);
-                }
-            }
-        }
+        for (int i = 0; i < groups; ++i)
+            fn(F::group(unit + 2 * b * F::packed, i), F::group(unit + (2 * b + 1) * F::packed, i));
     }
+}
+
+template <class F>
+void decode_unit(const uint8_t* unit, int64_t K, float* w) {
+    each_group<F>(unit, K, [&](const typename F::Group& g0, const typename F::Group& g1) {
+        for (const typename F::Group* g : {&g0, &g1}) {
+            storev(w, g->a_lo), storev(w + TILE, g->a_hi), storev(w + 2 * TILE, g->b_lo);
+            storev(w + 3 * TILE, g->b_hi);
+            for (int j = 0; j < 16; ++j) {
+                V lo, hi;
+                F::quants(*g, j, lo, hi);
+                storev(w + (4 + 2 * j) * TILE, lo);
+                storev(w + (5 + 2 * j) * TILE, hi);
+            }
+            w += SCRATCH_TILE;
+        }
+    });
 }
 
 // R rows of x over C tiles of a decoded unit (as `decode_unit` lays it out) from tile `first`.
@@ -560,23 +565,17 @@ __attribute__((noinline)) void scratch_rows(const float* x, const float* xs, int
 // ~20% faster than the decoding rows' arithmetic at 64 rows.
 template <class F>
 void dequantize_unit(const uint8_t* unit, int64_t K, float* w) {
-    constexpr int groups = F::weights / 32;
-    for (int64_t b = 0; b < K / F::weights; ++b) {
-        prefetch_ahead(unit + 2 * b * F::packed, 2 * F::packed);
-        for (int i = 0; i < groups; ++i) {
-            const typename F::Group g0 = F::group(unit + 2 * b * F::packed, i);
-            const typename F::Group g1 = F::group(unit + (2 * b + 1) * F::packed, i);
-            for (int j = 0; j < 16; ++j, w += 4 * TILE) {
-                V lo, hi;
-                weights<F>(g0, j, lo, hi);
-                storev(w, lo);
-                storev(w + TILE, hi);
-                weights<F>(g1, j, lo, hi);
-                storev(w + 2 * TILE, lo);
-                storev(w + 3 * TILE, hi);
-            }
+    each_group<F>(unit, K, [&](const typename F::Group& g0, const typename F::Group& g1) {
+        for (int j = 0; j < 16; ++j, w += 4 * TILE) {
+            V lo, hi;
+            weights<F>(g0, j, lo, hi);
+            storev(w, lo);
+            storev(w + TILE, hi);
+            weights<F>(g1, j, lo, hi);
+            storev(w + 2 * TILE, lo);
+            storev(w + 3 * TILE, hi);
         }
-    }
+    });
 }
 
 // R prefill rows of x over a dequantized unit (as `dequantize_unit` lays it out).
