@@ -467,6 +467,7 @@ __attribute__((noinline)) void few_rows(const float* x, const float* xs, int64_t
             V lo[R][C], hi[R][C];
             for (int r = 0; r < R; ++r)
                 for (int c = 0; c < C; ++c) lo[r][c] = hi[r][c] = zero();
+#pragma GCC unroll 16  // constant steps: Q6_K's shifts and row offsets fold (1.3x at 4 rows)
             for (int j = 0; j < 16; ++j) {
                 V ql[C], qh[C];
                 for (int c = 0; c < C; ++c) F::quants(g[c], j, ql[c], qh[c]);
@@ -511,6 +512,7 @@ void decode_unit(const uint8_t* unit, int64_t K, float* w) {
         for (const typename F::Group* g : {&g0, &g1}) {
             storev(w, g->a_lo), storev(w + TILE, g->a_hi), storev(w + 2 * TILE, g->b_lo);
             storev(w + 3 * TILE, g->b_hi);
+#pragma GCC unroll 16
             for (int j = 0; j < 16; ++j) {
                 V lo, hi;
                 F::quants(*g, j, lo, hi);
@@ -566,6 +568,7 @@ __attribute__((noinline)) void scratch_rows(const float* x, const float* xs, int
 template <class F>
 void dequantize_unit(const uint8_t* unit, int64_t K, float* w) {
     each_group<F>(unit, K, [&](const typename F::Group& g0, const typename F::Group& g1) {
+#pragma GCC unroll 16
         for (int j = 0; j < 16; ++j, w += 4 * TILE) {
             V lo, hi;
             weights<F>(g0, j, lo, hi);
