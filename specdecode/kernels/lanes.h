@@ -160,6 +160,54 @@ inline float reduce(V a) {
 }
 #endif
 
+// reduce() of 16 vectors at once: lane k of the result is reduce(a[k]), the same sums in the same
+// order, folded across the vectors by shuffles (a dot product a key would otherwise end in its own
+// chain of extracts and scalar adds).
+#if defined(__AVX512F__)
+inline V reduce16(const V* a) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; ++i) {  // l[i] + l[i + 8]: keys 2i, 2i + 1 in the low, high 8 lanes
+        const __m512 x = a[2 * i].v, y = a[2 * i + 1].v;
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    for (int i = 0; i < 4; ++i)  // + l[i + 4]: key 4i + j in 128-bit chunk j
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    __m512 d[2];
+    for (int i = 0; i < 2; ++i)  // l0 + l1, l2 + l3
+        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    // (l0 + l1) + (l2 + l3): lane 4j + m holds key 4m + j
+    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return {_mm512_permutexvar_ps(order, f)};
+}
+#elif defined(__AVX2__)
+inline __m256 reduce8(const V* a) {  // keys 0..7
+    __m256 c[4], d[2];
+    for (int i = 0; i < 4; ++i) {  // (l[i] + l[i + 8]) + its l[i + 4]: key 2i + h in 128-bit half h
+        const __m256 u = _mm256_add_ps(a[2 * i].lo, a[2 * i].hi), w = _mm256_add_ps(a[2 * i + 1].lo, a[2 * i + 1].hi);
+        c[i] = _mm256_add_ps(_mm256_permute2f128_ps(u, w, 0x20), _mm256_permute2f128_ps(u, w, 0x31));
+    }
+    for (int i = 0; i < 2; ++i)  // l0 + l1, l2 + l3
+        d[i] = _mm256_add_ps(_mm256_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm256_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    // (l0 + l1) + (l2 + l3): lane 4h + m holds key 2m + h
+    const __m256 f = _mm256_add_ps(_mm256_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm256_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+inline V reduce16(const V* a) { return {reduce8(a), reduce8(a + 8)}; }
+#else
+inline V reduce16(const V* a) {
+    V r;
+    for (int k = 0; k < 16; ++k) r.f[k] = reduce(a[k]);
+    return r;
+}
+#endif
+
 // e^x for x <= 0 (scores minus their maximum): 2^n e^r with |r| <= ln2/2 and a degree-6 Taylor
 // polynomial (truncation below 1e-7 relative); under -87 the result is ~0 anyway.
 inline V exp_nonpositive(V x) {

@@ -34,39 +34,95 @@ __attribute__((optimize("fp-contract=off"))) void rotate(const float* __restrict
     }
 }
 
-// One query row of one head: softmax(q . k_j * scale) over the row's L slots, times v_j.
-// NC = head_dim / 16. `s` is scratch for L scores rounded up to 16.
+// Heads that share a key/value head, at most this many per task (a task's scores and sums live
+// in its scratch and registers).
+constexpr int MAX_GROUP = 16;
+
+// G query rows (heads sharing one key/value head) of one row: for each, softmax(q . k_j * scale)
+// over the row's L slots, times v_j. NC = head_dim / 16. `s` is scratch for G x L scores, each
+// rounded up to 16. Slots come 16 at a time, each block's keys and values read from memory once
+// for all G heads; a head's scores are 16 keys at a time (`reduce16`: each the same sum as
+// `reduce` of its key's products), so a head's result is the same in any group.
 template <int NC>
-void attend_row(const float* __restrict q, const float* __restrict kc, const float* __restrict vc,
-                const int64_t* __restrict idx, int64_t L, float scale, float* __restrict out, float* __restrict s) {
+void attend_heads(int G, const float* const* q, const float* __restrict kc, const float* __restrict vc,
+                  const int64_t* __restrict idx, int64_t L, float scale, float* const* out, float* __restrict s) {
     constexpr int64_t D = NC * 16;
-    V qv[NC];
-    for (int c = 0; c < NC; ++c) qv[c] = loadv(q + c * 16);
-    float m = -INFINITY;
-    for (int64_t j = 0; j < L; ++j) {
-        const float* k = kc + idx[j] * D;
-        V acc = mul(qv[0], loadv(k));
-        for (int c = 1; c < NC; ++c) acc = fma(qv[c], loadv(k + c * 16), acc);
-        const float x = reduce(acc) * scale;
-        s[j] = x;
-        m = x > m ? x : m;
-    }
     const int64_t padded = (L + 15) / 16 * 16;
-    std::fill(s + L, s + padded, m);
-    const V mv = set1(m);
-    V total = zero();
-    for (int64_t j = 0; j < L; j += 16) storev(s + j, exp_nonpositive(sub(loadv(s + j), mv)));
-    std::fill(s + L, s + padded, 0.0f);  // past the last slot: no weight
-    for (int64_t j = 0; j < L; j += 16) total = add(total, loadv(s + j));
-    V o[NC];
-    for (int c = 0; c < NC; ++c) o[c] = zero();
-    for (int64_t j = 0; j < L; ++j) {
-        const float* v = vc + idx[j] * D;
-        const V p = set1(s[j]);
-        for (int c = 0; c < NC; ++c) o[c] = fma(p, loadv(v + c * 16), o[c]);
+    const V sc = set1(scale);
+    V top[MAX_GROUP];
+    for (int g = 0; g < G; ++g) top[g] = set1(-INFINITY);
+    for (int64_t j0 = 0; j0 < L; j0 += 16) {
+        const int64_t n = L - j0 < 16 ? L - j0 : 16;
+        const float* key[16];
+        for (int64_t k = 0; k < 16; ++k) key[k] = kc + idx[j0 + (k < n ? k : n - 1)] * D;  // past L: the last again
+        for (int g = 0; g < G; ++g) {
+            V qv[NC];
+            for (int c = 0; c < NC; ++c) qv[c] = loadv(q[g] + c * 16);
+            V acc[16];
+            for (int k = 0; k < 16; ++k) {
+                acc[k] = mul(qv[0], loadv(key[k]));
+                for (int c = 1; c < NC; ++c) acc[k] = fma(qv[c], loadv(key[k] + c * 16), acc[k]);
+            }
+            const V x = mul(reduce16(acc), sc);
+            storev(s + g * padded + j0, x);
+            top[g] = maxv(top[g], x);  // the repeated last key adds no new maximum
+        }
     }
-    const V inv = set1(1.0f / reduce(total));
-    for (int c = 0; c < NC; ++c) storev(out + c * 16, mul(o[c], inv));
+    float inv[MAX_GROUP];
+    for (int g = 0; g < G; ++g) {
+        float* sg = s + g * padded;
+        float lanes_top[16];
+        storev(lanes_top, top[g]);
+        float m = -INFINITY;
+        for (float t : lanes_top) m = t > m ? t : m;
+        std::fill(sg + L, sg + padded, m);
+        const V mv = set1(m);
+        V total = zero();
+        for (int64_t j = 0; j < L; j += 16) storev(sg + j, exp_nonpositive(sub(loadv(sg + j), mv)));
+        std::fill(sg + L, sg + padded, 0.0f);  // past the last slot: no weight
+        for (int64_t j = 0; j < L; j += 16) total = add(total, loadv(sg + j));
+        inv[g] = 1.0f / reduce(total);
+    }
+    // The heads' sums over 16 slots' values at a time, read from memory once; each value row
+    // serves up to GB heads at once (independent chains: no head waits on its own last sum).
+    constexpr int GB = NC >= 8 ? 2 : 24 / NC;
+    V o[MAX_GROUP][NC];
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < NC; ++c) o[g][c] = zero();
+    for (int64_t j0 = 0; j0 < L; j0 += 16) {
+        const int64_t n = L - j0 < 16 ? L - j0 : 16;
+        int g0 = 0;
+        for (; g0 + GB <= G; g0 += GB) {
+            V acc[GB][NC];
+            for (int g = 0; g < GB; ++g)
+                for (int c = 0; c < NC; ++c) acc[g][c] = o[g0 + g][c];
+            for (int64_t k = 0; k < n; ++k) {
+                const float* v = vc + idx[j0 + k] * D;
+                V vv[NC];
+                for (int c = 0; c < NC; ++c) vv[c] = loadv(v + c * 16);
+                for (int g = 0; g < GB; ++g) {
+                    const V p = set1(s[(g0 + g) * padded + j0 + k]);
+                    for (int c = 0; c < NC; ++c) acc[g][c] = fma(p, vv[c], acc[g][c]);
+                }
+            }
+            for (int g = 0; g < GB; ++g)
+                for (int c = 0; c < NC; ++c) o[g0 + g][c] = acc[g][c];
+        }
+        for (; g0 < G; ++g0) {
+            V acc[NC];
+            for (int c = 0; c < NC; ++c) acc[c] = o[g0][c];
+            for (int64_t k = 0; k < n; ++k) {
+                const float* v = vc + idx[j0 + k] * D;
+                const V p = set1(s[g0 * padded + j0 + k]);
+                for (int c = 0; c < NC; ++c) acc[c] = fma(p, loadv(v + c * 16), acc[c]);
+            }
+            for (int c = 0; c < NC; ++c) o[g0][c] = acc[c];
+        }
+    }
+    for (int g = 0; g < G; ++g) {
+        const V iv = set1(inv[g]);
+        for (int c = 0; c < NC; ++c) storev(out[g] + c * 16, mul(o[g][c], iv));
+    }
 }
 
 template <int NC>
@@ -79,6 +135,10 @@ void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, in
     int64_t longest = 0;
     for (int64_t r = 0; r < n_rows; ++r) longest = std::max(longest, row_ptr[r + 1] - row_ptr[r]);
     const int64_t group = Hq / Hkv;
+    // Heads per task: a whole group where that leaves every thread several tasks, else one (a
+    // single row's few groups would leave a thread idle). A head's result does not depend on it.
+    int64_t per = group;
+    while (per > 1 && (n_rows * Hkv * (group / per) < 4 * threads || group % per || per > MAX_GROUP)) --per;
 #pragma omp parallel num_threads(threads)
     {
         // The new keys and values into their slots first: rows of a tree see their ancestors'.
@@ -94,19 +154,27 @@ void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, in
             }
             for (int c = 0; c < NC; ++c) storev(vd + c * 16, loadv(vn + h * v_sh + t * v_st + c * 16));
         }
-        std::vector<float> scratch(longest + 16);
-        // Consecutive heads of one row share their key/value head: they run on one thread.
+        std::vector<float> scratch(per * ((longest + 15) / 16 * 16));
+        std::vector<float> rotated(per * D);
+        // Tasks by key/value head, then row, then its heads `per` at a time: a thread reads a
+        // key/value head's slots once from memory, then from its own cache for every row.
+        const int64_t chunks = group / per;
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < n_rows * Hq; ++task) {
-            const int64_t r = task / Hq, h = task % Hq, t = rows[r], kvh = h / group;
-            const float* qr = q + h * q_sh + t * q_st;
-            float rotated[D];
-            if (cos != nullptr) {
-                rotate(qr, cos + t * D, sin + t * D, D, rotated);
-                qr = rotated;
+        for (int64_t task = 0; task < Hkv * n_rows * chunks; ++task) {
+            const int64_t kvh = task / (n_rows * chunks), r = task / chunks % n_rows;
+            const int64_t h0 = kvh * group + task % chunks * per, t = rows[r];
+            const float* qs[MAX_GROUP];
+            float* outs[MAX_GROUP];
+            for (int64_t g = 0; g < per; ++g) {
+                qs[g] = q + (h0 + g) * q_sh + t * q_st;
+                if (cos != nullptr) {
+                    rotate(qs[g], cos + t * D, sin + t * D, D, rotated.data() + g * D);
+                    qs[g] = rotated.data() + g * D;
+                }
+                outs[g] = out + t * o_st + (h0 + g) * D;
             }
-            attend_row<NC>(qr, kc + kvh * c_sh, vc + kvh * c_sh, idx + row_ptr[r], row_ptr[r + 1] - row_ptr[r], scale,
-                           out + t * o_st + h * D, scratch.data());
+            attend_heads<NC>(int(per), qs, kc + kvh * c_sh, vc + kvh * c_sh, idx + row_ptr[r],
+                             row_ptr[r + 1] - row_ptr[r], scale, outs, scratch.data());
         }
     }
 }
