@@ -292,3 +292,61 @@ def test_the_whole_decoder_in_one_call_gives_the_layers_bits(quant_gguf: Path) -
     for a, b in zip(fused, by_layer, strict=True):
         assert torch.equal(a, b)
     assert fused_tokens == layer_tokens
+
+
+# ---- drafter heads beside a target run as stored -------------------------------------------------
+
+
+def test_a_float_dense_quantized_holds_the_round_trip() -> None:
+    """`Dense.quantize` holds the blocks gguf-py writes; bound to the quantized kernel, its product
+    is that of the round trip (a drafter head's layers beside a stored target)."""
+    from specdecode.kernels import quantize
+    from specdecode.layers.linear import Dense
+
+    kernels = select("cpu")
+    if kernels.quant is None:
+        pytest.skip("no quantized kernels here (no C++ compiler, or SPECDECODE_CPU_ISA=off)")
+    dense = Dense(64, 40, bias=True)
+    with torch.no_grad():
+        dense.bias.normal_()  # type: ignore[union-attr]
+    want = round_trip(dense.weight_t.detach().t(), "Q8_0").t()  # (in, out)
+    assert torch.equal(dequantize(quantize(dense.weight_t, "q8_0")), want)
+    dense.quantize("Q8_0")
+    dense.bind_kernels(kernels)
+    assert dense.kernel is kernels.quant and torch.equal(dense.matrix(), want)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(dense(x), x @ want + dense.bias, rtol=1e-5, atol=1e-5)
+    odd = Dense(48, 8)  # inputs that are not whole blocks of 32 stay float
+    odd.quantize("Q8_0")
+    assert odd.quantized is None
+
+
+def test_heads_beside_a_stored_target_draft_from_blocks(quant_gguf: Path, tmp_path: Path) -> None:
+    """A target run as stored gets its drafter heads' layers, and the draft vocabulary's columns of
+    its LM head, in Q8_0 blocks (read once per depth); greedy output stays plain decoding's."""
+    from specdecode.drafters.eagle import EagleHead, save_head
+    from specdecode.layers.lm_head import QuantizedHead
+
+    if select("cpu").quant is None:
+        pytest.skip("no quantized kernels here (no C++ compiler, or SPECDECODE_CPU_ISA=off)")
+    llm = LLM(str(quant_gguf), speculation_policy=False, progress=False)  # drafts every step
+    target = llm.model
+    assert target.runs_stored
+    torch.manual_seed(0)
+    vocab = torch.arange(0, target.config.vocab_size, 3)
+    head = EagleHead(target.config, draft_vocab=vocab)
+    path = save_head(head, tmp_path / "eagle", target="tiny", dtype=torch.float32)
+    loaded = llm.drafters.head("eagle", str(path))
+    assert loaded.fc.quantized is not None and loaded.layer.gate_up.quantized is not None
+    draft_head = loaded.draft_head(target)
+    assert isinstance(draft_head, QuantizedHead)
+    hidden = torch.randn(2, target.config.hidden_size)
+    exact = target.logits(hidden)[:, vocab]
+    torch.testing.assert_close(draft_head(hidden), exact, rtol=0, atol=2e-2 * float(exact.abs().max()))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [[200 + i, 5, 17, 200 + i, 5] for i in range(3)]
+    want = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    for spec in ({"method": "eagle", "head": str(path)}, {"method": "eagle2", "head": str(path)}):
+        got = llm.generate(prompts, params, use_tqdm=False, speculative=spec)
+        assert [o.token_ids for o in got] == want
+        assert all(o.stats.num_draft_tokens > 0 for o in got)

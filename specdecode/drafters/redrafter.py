@@ -62,11 +62,15 @@ from specdecode.drafters.base import LastRowDrafter, Proposal, opening_proposal
 from specdecode.drafters.checkpoint import CONFIG
 from specdecode.drafters.medusa import ResBlock
 from specdecode.errors import SpecDecodeError
+from specdecode.layers.lm_head import ApproxHead
 from specdecode.models.transformer import Transformer
 from specdecode.tree import DraftTree
 
 if TYPE_CHECKING:
     from specdecode.request import Request
+
+# The target's LM head a shared-head drafter reads: (C, V) weights, or their product (drafting).
+SharedHead = Tensor | Callable[[Tensor], Tensor]
 
 WEIGHTS = "redrafter.safetensors"
 REFERENCE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
@@ -136,6 +140,7 @@ class ReDrafterHead(nn.Module):
             "draft_vocab", torch.arange(draft_vocab_size, dtype=torch.long), persistent=False
         )
         self._sliced: tuple[tuple[int, int, torch.dtype], Tensor] | None = None
+        self._draft_head: tuple[tuple[int, int], ApproxHead] | None = None
 
     def lm_weight_t(self, target_weight_t: Tensor) -> Tensor:
         """The (C, K) columns of the target's (C, V) LM head for `draft_vocab` (all V without
@@ -148,6 +153,15 @@ class ReDrafterHead(nn.Module):
                 cols = target_weight_t.detach()[:, self.draft_vocab.to(target_weight_t.device)]
             self._sliced = (key, cols.contiguous())
         return self._sliced[1]
+
+    def draft_head(self, target: Transformer) -> ApproxHead:
+        """The target's LM head over `draft_vocab` (all of it without one) as its kernels read
+        it for drafts (`Transformer.approx_head`), cached and remade when the head changes."""
+        key = target.head.key()
+        if self._draft_head is None or self._draft_head[0] != key:
+            columns = self.draft_vocab if self.draft_vocab.numel() else None
+            self._draft_head = key, target.approx_head(columns)
+        return self._draft_head[1]
 
     def step(self, state: Tensor, embedding: Tensor) -> Tensor:
         """(..., C) state and (..., C) embedding of the beam's last token -> (..., C) next state."""
@@ -162,16 +176,19 @@ class ReDrafterHead(nn.Module):
             x = self.input_proj(x)
         return self.blocks(x)
 
-    def forward(self, context: Tensor, state: Tensor, shared_weight_t: Tensor | None = None) -> Tensor:
+    def forward(self, context: Tensor, state: Tensor, shared_weight_t: SharedHead | None = None) -> Tensor:
         """(..., C), (..., C) -> (..., V) logits of the token after the beam's last token.
 
         `shared_weight_t` (C, V) is the target's LM head (`Transformer.head_weight_t()`),
         required when the drafter shares it; the features are cast to its dtype (a bfloat16
-        copy keeps the big matmul in bfloat16 while training)."""
+        copy keeps the big matmul in bfloat16 while training). Drafting passes the target's own
+        product over the draft vocabulary instead (`draft_head`)."""
         feats = self.features(context, state)
         if self.lm_head is None:
             if shared_weight_t is None:
                 raise ValueError("this drafter shares the target's LM head: pass its weight_t")
+            if not isinstance(shared_weight_t, Tensor):
+                return shared_weight_t(feats.reshape(-1, feats.shape[-1])).view(*feats.shape[:-1], -1)
             return feats.to(shared_weight_t.dtype) @ shared_weight_t
         return self.lm_head(feats)
 
@@ -202,21 +219,22 @@ def beam_search(
     context: Tensor,
     root: int,
     embed: Callable[[Tensor], Tensor],
-    head_weight_t: Tensor | None,
+    head_weight_t: SharedHead | None,
     width: int,
     depth: int,
 ) -> tuple[Tensor, Tensor]:
     """The `width` most likely continuations of `root`, `depth` tokens each, best first.
 
     `context` (C,) is the target's hidden state that produced the root; `embed` the target's
-    input embedding (ids (...) -> (..., C)); `head_weight_t` (C, V) its LM head (for a shared-head drafter).
+    input embedding (ids (...) -> (..., C)); `head_weight_t` (C, V) its LM head (for a shared-head drafter),
+    or its product over the draft vocabulary already (`ReDrafterHead.draft_head`).
     Returns beams (B, depth) long and their summed log probabilities (B,), B <= width (fewer
     only when the vocabulary is smaller than the width). The first step extends the root
     alone, so no two beams are ever the same sequence. A head with a draft vocabulary drafts
     only its tokens (`ReDrafterHead.lm_weight_t`).
     """
     vocab_ids = head.draft_vocab if head.draft_vocab.numel() else None  # (K,) or all V
-    if head.lm_head is None and head_weight_t is not None:
+    if head.lm_head is None and isinstance(head_weight_t, Tensor):
         head_weight_t = head.lm_weight_t(head_weight_t)  # (C, K)
     device = context.device
     state = torch.zeros(1, head.hidden_size, dtype=context.dtype, device=device)  # (B, C)
@@ -370,7 +388,7 @@ class ReDrafter(LastRowDrafter):
             self.hidden,
             req.root,
             self.target.embed,
-            self.target.head_weight_t(),
+            self.head.draft_head(self.target) if self.head.lm_head is None else None,
             self.width,
             min(self.depth, room),  # one step a depth: none past what the budget verifies
         )

@@ -36,7 +36,7 @@ from specdecode.kernels.base import (
     QuantPart,
     QuantWeight,
 )
-from specdecode.kernels.reference import EXACT, REFERENCE, TORCH_LINEAR, dequantize
+from specdecode.kernels.reference import EXACT, REFERENCE, TORCH_LINEAR, dequantize, quantize
 
 __all__ = [
     "EXACT",
@@ -53,6 +53,7 @@ __all__ = [
     "QuantPart",
     "QuantWeight",
     "dequantize",
+    "quantize",
     "select",
 ]
 

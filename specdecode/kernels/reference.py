@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specdecode.kernels.base import GGUF_LAYOUT, Kernels, QuantWeight
+from specdecode.kernels.base import GGUF_LAYOUT, Kernels, QuantPart, QuantWeight
 
 
 class TorchLinear:
@@ -87,3 +87,17 @@ def dequantize(weight: QuantWeight) -> Tensor:
         for p in weight.parts
     ]  # (rows, in) each
     return torch.from_numpy(np.concatenate(parts)).t()  # (in, out)
+
+
+def quantize(weight_t: Tensor, fmt: str) -> QuantWeight:
+    """An (in, out) float weight -> the blocks of `fmt` (a GGUF type name, e.g. "q8_0") along
+    `in`, in the GGUF layout, by gguf-py's quantizer (the one llama.cpp's conversion writes files
+    with). `in` must be whole blocks."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    kind = GGMLQuantizationType[fmt.upper()]
+    rows = weight_t.detach().t().float().contiguous().cpu().numpy()  # (out, in)
+    blocks = np.ascontiguousarray(gguf_quantize(rows, kind))  # (out, row bytes) uint8
+    return QuantWeight(int(weight_t.shape[0]), (QuantPart(fmt.upper(), torch.from_numpy(blocks)),))

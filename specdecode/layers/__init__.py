@@ -15,3 +15,12 @@ def bind_kernels(module: nn.Module, kernels: Kernels) -> None:
         bind = getattr(m, "bind_kernels", None)
         if bind is not None:
             bind(kernels)
+
+
+def quantize_dense(module: nn.Module, fmt: str) -> None:
+    """Hold every float `Dense` below `module` in the blocks of `fmt` (before `bind_kernels`)."""
+    from specdecode.layers.linear import Dense
+
+    for m in module.modules():
+        if isinstance(m, Dense):
+            m.quantize(fmt)

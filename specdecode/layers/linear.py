@@ -17,6 +17,7 @@ from specdecode.kernels import (
     QuantKernel,
     QuantWeight,
     dequantize,
+    quantize,
 )
 
 # A product of more rows than this whose caller does not say which are a prompt's is taken as one
@@ -60,6 +61,13 @@ class Dense(nn.Module):
         del self.weight_t
         self.quantized = weight
 
+    def quantize(self, fmt: str) -> None:
+        """Hold a float weight in the blocks of `fmt` from now on (a drafter head run beside a
+        target that runs as stored: drafts need plausible guesses, and a head's bytes are read
+        once per depth). Inputs that are not whole blocks stay float."""
+        if self.quantized is None and self.weight_packed is None and self.weight_t.shape[0] % 32 == 0:
+            self.load_quantized(quantize(self.weight_t, fmt))
+
     def bind_kernels(self, kernels: Kernels, pack: bool = True) -> None:
         """Compute through `kernels`; with `pack` False a float weight stays (in, out) (the LM
         head, which drafters and training read)."""
@@ -94,6 +102,13 @@ class Dense(nn.Module):
         if self.weight_packed is None:
             return self.weight_t
         return self.kernel.unpack(self.weight_packed)  # type: ignore[union-attr]
+
+    def columns(self, ids: torch.Tensor) -> torch.Tensor:
+        """Outputs `ids` (n,) of the weight as (in, n) float: read row by row where it is held
+        packed in block formats (no copy of the whole matrix)."""
+        if self.quantized is not None and self.quantized.layout != GGUF_LAYOUT:
+            return self.kernel.rows(self.quantized, ids.long().contiguous()).t()  # type: ignore[union-attr]
+        return self.matrix()[:, ids]
 
     def forward(self, x: torch.Tensor, prefill_from: int | None = None) -> torch.Tensor:
         # x (..., in) -> (..., out). Rows from `prefill_from` on are a prompt's (see `prefill_rows`).

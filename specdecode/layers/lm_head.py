@@ -18,6 +18,10 @@ from torch import Tensor
 from specdecode.kernels import REFERENCE, TORCH_LINEAR, Kernels, LinearKernel
 from specdecode.layers.linear import Dense, Embedding
 
+# The block format drafters' copies of a stored head (and their own layers, beside a target that
+# runs as stored) are held in: a byte a weight, read once per draft depth.
+DRAFT_FORMAT = "Q8_0"
+
 
 class ApproxHead:
     """float32 logits over some of the head's columns for drafts and screening, never for a
@@ -34,6 +38,23 @@ class ApproxHead:
         # hidden (M, C) -> (M, V') float32
         x = hidden if self._cast is None else hidden.to(self._cast)
         return self.kernel.matmul(x, self.packed).float()
+
+
+class QuantizedHead(ApproxHead):
+    """The (C, V') columns of a head that runs as stored, held in the blocks of `fmt` and
+    multiplied by the quantized kernel (float32 inputs and sums): drafts read a byte a weight."""
+
+    def __init__(self, weight_t: Tensor, fmt: str, kernels: Kernels) -> None:  # (C, V')
+        with torch.inference_mode(False), torch.no_grad():
+            self.dense = Dense(*weight_t.shape)
+            weight = weight_t.detach().float().contiguous()
+            self.dense.weight_t = torch.nn.Parameter(weight, requires_grad=False)
+            self.dense.quantize(fmt)
+            self.dense.bind_kernels(kernels)
+
+    def __call__(self, hidden: Tensor) -> Tensor:
+        # hidden (M, C) -> (M, V') float32
+        return self.dense(hidden.float())
 
 
 class LMHead:
@@ -81,7 +102,14 @@ class LMHead:
 
     def subset(self, columns: Tensor | None) -> ApproxHead:
         """A head over the vocabulary `columns` (V',) long (all where None) for a drafter to keep:
-        approximate for a float32 head where the kernels offer that, else exact."""
+        for a head that runs as stored, its columns in DRAFT_FORMAT blocks (read without a float
+        copy of the whole head); approximate for a float32 head where the kernels offer that;
+        else exact."""
+        quant = self.kernels.quant
+        if self.stored and quant is not None and DRAFT_FORMAT in quant.formats:
+            assert self._dense is not None
+            ids = torch.arange(self._dense.quantized.out_features) if columns is None else columns  # type: ignore[union-attr]
+            return QuantizedHead(self._dense.columns(ids.cpu()), DRAFT_FORMAT, self.kernels)
         head_t = self.weight_t().detach()
         if columns is not None:
             head_t = head_t[:, columns.to(head_t.device)]

@@ -149,6 +149,12 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype
 
+    @property
+    def runs_stored(self) -> bool:
+        """Whether its layers' products run on weights held in block formats (a GGUF as stored,
+        or quantized on load): drafter heads beside it are then held in DRAFT_FORMAT too."""
+        return any(isinstance(m, Dense) and m.kernel is self.kernels.quant for m in self.layers.modules())
+
     def new_cache(self, max_len: int, batch_size: int = 1) -> KVCache:
         max_len = min(max_len, self.config.max_position_embeddings)
         return KVCache(self.config, max_len, batch_size, self.dtype, self.device)
