@@ -379,12 +379,14 @@ constexpr int UNIT = 2 * TILE;
 // rows at a time (2 R TILES sums within the registers: 32 zmm, 16 ymm; the running totals wait
 // in L1); more rows decode a unit into scratch and run SR rows at a time over it; prefill rows run
 // PR at a time over a unit dequantized into scratch.
+// Past FR rows and up to FR1, a unit's tiles go one at a time, R <= FR1 rows each (2 R sums):
+// each tile is decoded once, not once per FR rows.
 #if defined(__AVX512F__)
-constexpr int TILES = 2, FEW = 32, FR = 6, SR = 6, PR = 6;
+constexpr int TILES = 2, FEW = 32, FR = 6, FR1 = 12, SR = 6, PR = 6;
 #elif defined(__AVX2__)
-constexpr int TILES = 1, FEW = 8, FR = 2, SR = 3, PR = 2;
+constexpr int TILES = 1, FEW = 8, FR = 2, FR1 = 0, SR = 3, PR = 2;
 #else
-constexpr int TILES = 1, FEW = 2, FR = 1, SR = 1, PR = 1;
+constexpr int TILES = 1, FEW = 2, FR = 1, FR1 = 0, SR = 1, PR = 1;
 #endif
 
 // Ask for the bytes PREFETCH past [p, p + n) now: the hardware's own prefetching, one stream per
@@ -642,7 +644,9 @@ void product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, 
              int threads) {
     const int64_t unit_bytes = 2 * (K / F::weights) * F::packed;
     const int64_t units = (N + UNIT - 1) / UNIT;
-    const bool few = M <= FEW;
+    // Q6_K's decoding takes registers of its own: two of its tiles at 5 or 6 rows spill.
+    constexpr int two_tiles = F::uniform ? FR : 4;
+    const bool few = M <= FEW, one_pass = FR1 > FR && M > two_tiles && M <= FR1;
     std::vector<float> xs(size_t(M * (K / 16)));
     half_sums(x, M, K, xs.data());
 #pragma omp parallel num_threads(threads)
@@ -653,6 +657,15 @@ void product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, 
             const int64_t n0 = u * UNIT;
             const int valid = int(N - n0 < UNIT ? N - n0 : UNIT);
             const uint8_t* unit = w + u * unit_bytes;
+            if constexpr (FR1 > FR) {
+                if (one_pass) {  // each tile decoded once for all the rows
+                    for (int first = 0; first < 2; ++first)
+                        by_rows<FR1>(M, [&]<int R>() {
+                            few_rows<F, R, 1>(x, xs.data(), K, unit, first, y + n0, ldy, valid);
+                        });
+                    continue;
+                }
+            }
             if (few) {  // rows past FR decode the unit again, from cache
                 for (int first = 0; first < 2; first += TILES) {
                     const float* xr = x;
