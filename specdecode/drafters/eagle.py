@@ -59,7 +59,7 @@ from specdecode.drafters.checkpoint import CONFIG
 from specdecode.errors import SpecDecodeError
 from specdecode.kv_cache import KVCache
 from specdecode.layers.linear import Dense
-from specdecode.layers.lm_head import ApproxHead
+from specdecode.layers.lm_head import DraftHead
 from specdecode.layers.rotary import Rotary
 from specdecode.models.config import ModelConfig
 from specdecode.models.transformer import Block, Transformer
@@ -106,7 +106,7 @@ class EagleHead(nn.Module):
         super().__init__()
         self.layer_config = dataclasses.replace(layer, num_layers=1)
         self.draft_vocab = None if draft_vocab is None else torch.unique(draft_vocab.long())  # (V',) sorted
-        self._draft_head: tuple[tuple[int, int], ApproxHead] | None = None
+        self._draft_head: tuple[tuple[int, int], DraftHead] | None = None
         self.hidden_size, self.vocab_size = layer.hidden_size, layer.vocab_size
         self.fc_bias, self.input_norm = fc_bias, input_norm
         self.choices = None if choices is None else [list(c) for c in choices]
@@ -119,7 +119,7 @@ class EagleHead(nn.Module):
         """A fresh head shaped like one layer of `target` (what training starts from)."""
         return cls(dataclasses.replace(target, num_layers=1))
 
-    def draft_head(self, target: Transformer) -> ApproxHead:
+    def draft_head(self, target: Transformer) -> DraftHead:
         """The target's LM head over the draft vocabulary, as the target's kernels read it for
         drafts (approximate, bfloat16 products, where they offer that: a draft needs plausible,
         not exact, logits), cached and remade when the head changes."""

@@ -62,7 +62,7 @@ from specdecode.drafters.base import LastRowDrafter, Proposal, opening_proposal
 from specdecode.drafters.checkpoint import CONFIG
 from specdecode.drafters.medusa import ResBlock
 from specdecode.errors import SpecDecodeError
-from specdecode.layers.lm_head import ApproxHead
+from specdecode.layers.lm_head import DraftHead
 from specdecode.models.transformer import Transformer
 from specdecode.tree import DraftTree
 
@@ -140,7 +140,7 @@ class ReDrafterHead(nn.Module):
             "draft_vocab", torch.arange(draft_vocab_size, dtype=torch.long), persistent=False
         )
         self._sliced: tuple[tuple[int, int, torch.dtype], Tensor] | None = None
-        self._draft_head: tuple[tuple[int, int], ApproxHead] | None = None
+        self._draft_head: tuple[tuple[int, int], DraftHead] | None = None
 
     def lm_weight_t(self, target_weight_t: Tensor) -> Tensor:
         """The (C, K) columns of the target's (C, V) LM head for `draft_vocab` (all V without
@@ -154,7 +154,7 @@ class ReDrafterHead(nn.Module):
             self._sliced = (key, cols.contiguous())
         return self._sliced[1]
 
-    def draft_head(self, target: Transformer) -> ApproxHead:
+    def draft_head(self, target: Transformer) -> DraftHead:
         """The target's LM head over `draft_vocab` (all of it without one) as its kernels read
         it for drafts (`Transformer.approx_head`), cached and remade when the head changes."""
         key = target.head.key()

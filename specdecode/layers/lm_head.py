@@ -40,7 +40,7 @@ class ApproxHead:
         return self.kernel.matmul(x, self.packed).float()
 
 
-class QuantizedHead(ApproxHead):
+class QuantizedHead:
     """The (C, V') columns of a head that runs as stored, held in the blocks of `fmt` and
     multiplied by the quantized kernel (float32 inputs and sums): drafts read a byte a weight."""
 
@@ -55,6 +55,10 @@ class QuantizedHead(ApproxHead):
     def __call__(self, hidden: Tensor) -> Tensor:
         # hidden (M, C) -> (M, V') float32
         return self.dense(hidden.float())
+
+
+# What a drafter keeps to read its logits from: (M, C) -> (M, V') float32.
+DraftHead = ApproxHead | QuantizedHead
 
 
 class LMHead:
@@ -100,7 +104,7 @@ class LMHead:
         """Whether an approximate product exists here (else `approx_logits` is exact)."""
         return bool(self.kernels.approx) and not self.stored
 
-    def subset(self, columns: Tensor | None) -> ApproxHead:
+    def subset(self, columns: Tensor | None) -> DraftHead:
         """A head over the vocabulary `columns` (V',) long (all where None) for a drafter to keep:
         for a head that runs as stored, its columns in DRAFT_FORMAT blocks (read without a float
         copy of the whole head); approximate for a float32 head where the kernels offer that;
@@ -123,6 +127,7 @@ class LMHead:
         key = self.key()
         if self._approx is None or self._approx[0] != key:
             head = self.subset(None)
+            assert isinstance(head, ApproxHead)  # a float head's (see `approximates`)
             with torch.inference_mode(False), torch.no_grad():
                 w = self.weight_t().detach().float()  # (C, V)
                 rounded = w.bfloat16().float()

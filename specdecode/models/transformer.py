@@ -31,7 +31,7 @@ from specdecode.kernels import REFERENCE, DecoderRows, Kernels, LayerWeights, Qu
 from specdecode.kv_cache import KVCache
 from specdecode.layers import bind_kernels
 from specdecode.layers.linear import Dense, Embedding, RMSNorm, prefill_rows
-from specdecode.layers.lm_head import ApproxHead, LMHead
+from specdecode.layers.lm_head import DraftHead, LMHead
 from specdecode.layers.rotary import Rotary
 from specdecode.models.config import ModelConfig
 
@@ -215,7 +215,7 @@ class Transformer(nn.Module):
         where the kernels offer it: for drafts and screening, never for a decision."""
         return self.head.approx_logits(hidden)
 
-    def approx_head(self, columns: torch.Tensor | None = None) -> ApproxHead:
+    def approx_head(self, columns: torch.Tensor | None = None) -> DraftHead:
         """A head over the vocabulary `columns` (V',) (all where None) for a drafter to keep and
         call: float32 logits, approximate where the kernels offer that (see `layers.lm_head`)."""
         return self.head.subset(columns)
