@@ -134,3 +134,29 @@ def test_spec_bench_categories_may_name_an_mt_bench_sub_category(tmp_path: Path)
     assert {category_of(q) for q in coding} == {"coding"}
     grouped = load_questions(path, None, ["mt_bench", "translation"])
     assert [category_of(q) for q in grouped] == ["mt_bench", "mt_bench", "mt_bench", "translation"]
+
+
+def test_spec_bench_can_turn_the_load_policy_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`specdecode bench --no-policy` times every step drafting its method's whole proposal."""
+    import argparse
+
+    from specdecode.bench import specbench
+    from specdecode.cli import add_model_args
+
+    made: list[dict[str, object]] = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(**kwargs: object) -> None:
+        made.append(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(specbench, "LLM", fake_llm)
+    for flags, want in (([], True), (["--no-policy"], False)):
+        parser = argparse.ArgumentParser()
+        add_model_args(parser)
+        specbench.add_args(parser)
+        with pytest.raises(Stop):
+            specbench.main_args(parser.parse_args(["--model", "tiny", "--method", "prompt_lookup", *flags]))
+        assert made[-1]["speculation_policy"] is want

@@ -298,7 +298,13 @@ def specs_from_args(args: argparse.Namespace) -> list[SpecConfig | None]:
 
 def main_args(args: argparse.Namespace) -> None:
     specs = specs_from_args(args)
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        num_threads=args.threads,
+        speculation_policy=args.policy,
+    )
     questions = load_questions(args.questions, args.per_category or None, args.categories)
     methods = run(llm, specs, questions, args.max_tokens, args.temperature, args.transformers)
     result = report(methods, args.temperature)
@@ -319,5 +325,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", action="append", help='a full setting as JSON, e.g. \'{"method": "lookahead"}\'')
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--no-policy",
+        dest="policy",
+        action="store_false",
+        help="every step drafts the method's whole proposal (the load policy off)",
+    )
     p.add_argument("--transformers", action="store_true", help="also time transformers on the same prompts")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
