@@ -110,6 +110,12 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--draft-dtype", default=None, help="draft_model / prompt_lookup: auto (default), float32 or bfloat16"
     )
+    g.add_argument(
+        "--draft-window",
+        type=int,
+        default=None,
+        help="draft_model / prompt_lookup: the draft reads only each prompt's last N tokens (default: all)",
+    )
     g.add_argument("--prompt-lookup-num-tokens", type=int, default=None)
     g.add_argument("--max-matching-ngram-size", type=int, default=None)
     g.add_argument("--lookahead", type=_lookahead, default=None, metavar="W,N,G")
@@ -159,6 +165,7 @@ def speculative_settings(args: argparse.Namespace) -> dict[str, object] | None:
         "num_draft_tokens",
         "use_draft_logits",
         "draft_dtype",
+        "draft_window",
         "prompt_lookup_num_tokens",
         "max_matching_ngram_size",
         *MEDUSA_OPTIONS,

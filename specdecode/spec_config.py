@@ -24,6 +24,11 @@ def _draft_dtype(method: str, value: Any) -> None:
         raise SpecDecodeError(f"{method}: draft_dtype must be one of {choices}, got {value!r}")
 
 
+def _draft_window(method: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise SpecDecodeError(f"{method}: draft_window must be a positive integer or null, got {value!r}")
+
+
 def _positive(method: str, name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise SpecDecodeError(f"{method}: {name} must be a positive integer, got {value!r}")
@@ -39,6 +44,9 @@ class DraftModelConfig:
     target's kernels run stored weights, else is bfloat16 for a float32 target on a CPU with the
     bf16 kernel (half the bytes per draft token; a draft needs no exactness, the verifier decides),
     else the target's dtype.
+    `draft_window`: the draft reads only the last N tokens of each prompt (None: all of it): it
+    prefills every prompt as the target does, and on a CPU a long prompt's prefill can cost the
+    draft more than its drafts save. Output is unchanged.
     """
 
     method: ClassVar[str] = "draft_model"
@@ -46,12 +54,14 @@ class DraftModelConfig:
     num_draft_tokens: int = 4
     use_draft_logits: bool = True
     draft_dtype: str = "auto"
+    draft_window: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.draft_model, str) or not self.draft_model:
             raise SpecDecodeError("draft_model: draft_model must name a model (short name or path)")
         _positive(self.method, "num_draft_tokens", self.num_draft_tokens)
         _draft_dtype(self.method, self.draft_dtype)
+        _draft_window(self.method, self.draft_window)
         if not isinstance(self.use_draft_logits, bool):
             raise SpecDecodeError(
                 f"draft_model: use_draft_logits must be true or false, got {self.use_draft_logits!r}"
@@ -75,9 +85,11 @@ class PromptLookupConfig:
     num_draft_tokens: int = 4
     use_draft_logits: bool = True
     draft_dtype: str = "auto"
+    draft_window: int | None = None
 
     def __post_init__(self) -> None:
         _draft_dtype(self.method, self.draft_dtype)
+        _draft_window(self.method, self.draft_window)
         _positive(self.method, "prompt_lookup_num_tokens", self.prompt_lookup_num_tokens)
         _positive(self.method, "max_matching_ngram_size", self.max_matching_ngram_size)
         _positive(self.method, "num_candidates", self.num_candidates)

@@ -165,6 +165,24 @@ def test_draft_cache_follows_the_request(target: Transformer, drafts: dict[str, 
             assert fed == req.all_ids[: len(fed)]
 
 
+def test_draft_window_reads_the_prompts_end(target: Transformer) -> None:
+    """`draft_window` W: the draft prefills only the prompt's last W tokens before the root and
+    then follows the request from there; output stays plain decoding's."""
+    prompt = PROMPTS["counting"]  # 30 tokens
+    settings = DraftModelConfig(draft_model="tiny", num_draft_tokens=3, draft_window=8)
+    drafter = CountingDrafter(settings, target, target.config.vocab_size)
+    req, steps = alone(target, prompt, greedy(24), [], drafter)
+    emitted = [len(tokens) for tokens in steps]
+    assert req.output_ids == run(target, prompt, None, greedy(24)).output_ids
+    assert drafter.forwards[0] == [8]  # the prefill: 8 tokens, not 29
+    assert len(drafter.forwards) == len(emitted) + 1  # it drafted at every step
+    start = len(prompt) - 1 - 8
+    assert drafter._fed == req.all_ids[start : start + len(drafter._fed)]
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(SpecDecodeError, match="draft_window"):
+            DraftModelConfig(draft_model="tiny", draft_window=bad)  # type: ignore[arg-type]
+
+
 def test_room_limits_the_draft(target: Transformer, drafts: dict[str, Transformer]) -> None:
     """Near the target's context the draft is clamped to the room left; with a draft whose
     context is shorter than the request, drafting stops and decoding goes on plainly."""

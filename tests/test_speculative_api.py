@@ -168,6 +168,9 @@ def test_cli_method_flags(tiny_paths, capsys: pytest.CaptureFixture[str]) -> Non
     assert lookup["stats"]["num_draft_tokens"] > 0
     assert main([*base, "--lookahead", "2,2,1"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
+    window = ["--method", "draft_model", "--draft-model", str(tiny_paths[1]), "--draft-window", "2"]
+    assert main([*base, *window]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
     assert main([*base, "--method", "lookahead", "--num-draft-tokens", "3"]) == 2
     assert "unknown option num_draft_tokens" in capsys.readouterr().err
 

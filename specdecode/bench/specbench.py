@@ -133,7 +133,8 @@ def _base_label(spec: SpecConfig | None) -> str:
     if spec is None:
         return "plain"
     if isinstance(spec, DraftModelConfig):
-        return f"draft_model[{spec.draft_model},k={spec.num_draft_tokens}]"
+        window = f",window={spec.draft_window}" if spec.draft_window else ""
+        return f"draft_model[{spec.draft_model},k={spec.num_draft_tokens}{window}]"
     if isinstance(spec, PromptLookupConfig):
         extra = f",draft={spec.draft_model}" if spec.draft_model else ""
         return f"prompt_lookup[k={spec.prompt_lookup_num_tokens},n={spec.max_matching_ngram_size}{extra}]"

@@ -53,6 +53,9 @@ class DraftSettings(Protocol):
     @property
     def use_draft_logits(self) -> bool: ...
 
+    @property
+    def draft_window(self) -> int | None: ...
+
 
 class DraftModelDrafter(Drafter):
     """Drafts `num_draft_tokens` tokens a step with `draft`, a chain verified by the target.
@@ -78,6 +81,7 @@ class DraftModelDrafter(Drafter):
     ) -> None:
         self.num_draft_tokens = config.num_draft_tokens
         self.use_draft_logits = config.use_draft_logits
+        self.window = config.draft_window
         self.draft = draft
         self.target_vocab_size = target_vocab_size
         self.draft_vocab_size = draft.config.vocab_size
@@ -91,6 +95,9 @@ class DraftModelDrafter(Drafter):
         # Length of a prefix of `_fed` known to equal the request's: it stays true as both only
         # grow or are cut back to such a prefix, so agreement is checked only past it.
         self._agreed = 0
+        # Where in the request's tokens the draft's context starts (`draft_window`): `_fed`,
+        # `_agreed` and the cache count from there.
+        self._start = 0
 
     # ---- Drafter interface ---------------------------------------------------------------------
 
@@ -100,7 +107,9 @@ class DraftModelDrafter(Drafter):
         last token, the first root. `prompt_hidden` (the target's) is not used."""
         self.release()
         self.cache = self.new_cache(self.draft, req.max_len)
-        prefix = req.prompt_ids[:-1]
+        if self.window is not None:
+            self._start = max(0, len(req.prompt_ids) - 1 - self.window)
+        prefix = req.prompt_ids[self._start : -1]
         if len(prefix) < self.cache.max_len:  # else the prompt exceeds the draft's context
             try:
                 self._feed(prefix)
@@ -120,18 +129,18 @@ class DraftModelDrafter(Drafter):
         if self.cache is not None:
             self.cache.release()
         self.cache = None
-        self._fed, self._agreed = [], 0
+        self._fed, self._agreed, self._start = [], 0, 0
 
     def _propose(self, req: Request, budget: int | None) -> Proposal:
         if self.cache is None:
             self.begin(req, None)
         if self.cache is None:  # begin ran out of blocks
             return Proposal(DraftTree.empty())
-        ids = req.all_ids
+        ids = req.all_ids[self._start :]  # the draft's context
         length = len(ids)
-        # Target: the root and K draft tokens need `length + K` slots of req.max_len. Draft:
-        # it feeds the request and K-1 draft tokens, `length + K - 1` slots of its own cache.
-        k = min(self.num_draft_tokens, req.max_len - length, self.cache.max_len - length + 1)
+        # Target: the root and K draft tokens need `len(all_ids) + K` slots of req.max_len. Draft:
+        # it feeds its context and K-1 draft tokens, `length + K - 1` slots of its own cache.
+        k = min(self.num_draft_tokens, req.max_len - len(req.all_ids), self.cache.max_len - length + 1)
         if budget is not None:  # one draft forward a token: none past the budget
             k = min(k, budget)
         if k <= 0:
@@ -164,7 +173,7 @@ class DraftModelDrafter(Drafter):
     def observe(self, req: Request, result: StepResult) -> None:
         """Forget the rejected draft tokens: cut the cache to the prefix agreeing with the request."""
         if self.cache is not None:
-            self._sync(req.all_ids)
+            self._sync(req.all_ids[self._start :])
 
     # ---- cache bookkeeping ---------------------------------------------------------------------
 
