@@ -25,8 +25,8 @@ def _draft_dtype(method: str, value: Any) -> None:
 
 
 def _draft_window(method: str, value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise SpecDecodeError(f"{method}: draft_window must be a positive integer or null, got {value!r}")
+    if value is not None:  # null: the whole prompt
+        _positive(method, "draft_window", value)
 
 
 def _positive(method: str, name: str, value: Any) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from specdecode.kernels import REFERENCE, TORCH_LINEAR, Kernels, LinearKernel
+from specdecode.kernels import REFERENCE, TORCH_LINEAR, Kernels, LinearKernel, quantize
 from specdecode.layers.linear import Dense, Embedding
 
 # The block format drafters' copies of a stored head (and their own layers, beside a target that
@@ -41,16 +41,21 @@ class ApproxHead:
 
 
 class QuantizedHead:
-    """The (C, V') columns of a head that runs as stored, held in the blocks of `fmt` and
-    multiplied by the quantized kernel (float32 inputs and sums): drafts read a byte a weight."""
+    """Columns of a head that runs as stored, a Dense (C -> V') held in block formats and
+    multiplied by the quantized kernel (float32 inputs and sums)."""
 
-    def __init__(self, weight_t: Tensor, fmt: str, kernels: Kernels) -> None:  # (C, V')
+    def __init__(self, dense: Dense) -> None:
+        self.dense = dense
+
+    @classmethod
+    def of_columns(cls, weight_t: Tensor, fmt: str, kernels: Kernels) -> QuantizedHead:
+        """(C, V') float columns held in the blocks of `fmt` (C is whole blocks: the stored
+        head's own rows are): drafts read a byte a weight."""
         with torch.inference_mode(False), torch.no_grad():
-            self.dense = Dense(*weight_t.shape)
-            weight = weight_t.detach().float().contiguous()
-            self.dense.weight_t = torch.nn.Parameter(weight, requires_grad=False)
-            self.dense.quantize(fmt)
-            self.dense.bind_kernels(kernels)
+            dense = Dense(*weight_t.shape)
+            dense.load_quantized(quantize(weight_t, fmt))
+            dense.bind_kernels(kernels)
+        return cls(dense)
 
     def __call__(self, hidden: Tensor) -> Tensor:
         # hidden (M, C) -> (M, V') float32
@@ -107,13 +112,14 @@ class LMHead:
     def subset(self, columns: Tensor | None) -> DraftHead:
         """A head over the vocabulary `columns` (V',) long (all where None) for a drafter to keep:
         for a head that runs as stored, its columns in DRAFT_FORMAT blocks (read without a float
-        copy of the whole head); approximate for a float32 head where the kernels offer that;
-        else exact."""
+        copy of the whole head; all of them: the head itself); approximate for a float32 head
+        where the kernels offer that; else exact."""
         quant = self.kernels.quant
         if self.stored and quant is not None and DRAFT_FORMAT in quant.formats:
             assert self._dense is not None
-            ids = torch.arange(self._dense.quantized.out_features) if columns is None else columns  # type: ignore[union-attr]
-            return QuantizedHead(self._dense.columns(ids.cpu()), DRAFT_FORMAT, self.kernels)
+            if columns is None:  # the whole head: its own stored product, no second copy
+                return QuantizedHead(self._dense)
+            return QuantizedHead.of_columns(self._dense.columns(columns.cpu()), DRAFT_FORMAT, self.kernels)
         head_t = self.weight_t().detach()
         if columns is not None:
             head_t = head_t[:, columns.to(head_t.device)]

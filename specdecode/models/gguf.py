@@ -358,17 +358,15 @@ def quantized_weights(
     with gguf-py's quantizer, the one llama.cpp's conversion script writes files with: the
     mapping `stored_weights` reads from a GGUF. A matrix whose rows are not whole blocks of 32
     stays float (as GGUF converters leave such tensors unquantized)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
+    from specdecode.kernels import quantize
 
     fmt = quantization.upper()
-    kind = GGMLQuantizationType[fmt]
     out: dict[str, tuple[str, np.ndarray]] = {}
     for name in names:
         if name not in tensors:
             continue
-        weight = tensors[name]
+        weight = tensors[name]  # (out, in)
         if weight.dim() != 2 or weight.shape[1] % 32:
             continue
-        out[name] = fmt, np.ascontiguousarray(quantize(weight.float().numpy(), kind))
+        out[name] = fmt, quantize(weight.t(), fmt).parts[0].data.numpy()
     return out
