@@ -24,6 +24,9 @@ class SpecStats:
     num_generated_tokens: int = 0
     proposed_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
+    # Steps that offered depth k+1 with every depth before it accepted: the load policy's
+    # conditional acceptance rate of depth k+1 is accepted / reached.
+    reached_by_position: list[int] = field(default_factory=list)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -47,9 +50,11 @@ class SpecStats:
         if grow > 0:
             self.proposed_by_position += [0] * grow
             self.accepted_by_position += [0] * grow
+            self.reached_by_position += [0] * grow
         for k in range(max_depth):
             self.proposed_by_position[k] += 1
             self.accepted_by_position[k] += k < num_accepted
+            self.reached_by_position[k] += k <= num_accepted
 
     def as_dict(self) -> dict[str, object]:
         return {

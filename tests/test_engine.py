@@ -4,6 +4,7 @@ budget, preemption, prefix reuse, and the load policy's choices."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -567,14 +568,36 @@ def test_policy_speculates_alone_and_backs_off_under_load() -> None:
     assert policy.budgets([costly], 1, 512)[0] < 4
 
 
-def test_accept_rates_shrink_and_never_increase() -> None:
-    rates = accept_rates([10, 10, 10], [9, 1, 5], [0.5, 0.25, 0.125], 4)
-    assert rates[0] == pytest.approx((9 + 4 * 0.5) / 14)
-    assert rates[2] <= rates[1] == pytest.approx((1 + 4 * 0.25) / 14)
-    assert rates[3] <= rates[2]
+def test_accept_rates_are_optimistic_products_of_conditional_rates() -> None:
+    # The request: depth 1 accepted 9 times in 10, depth 2 once in the 9 steps that reached it.
+    # Its method: 20 steps at each depth, half accepted.
+    rates = accept_rates([10, 9, 1], [9, 1, 1], [20, 20, 20], [10, 10, 10], 4)
+    prior = (10 + 2 * 0.8) / 22  # the method's rate, from the 0.8 prior worth 2 steps
+    first = (9 + 4 * prior) / 14  # own counts shrunk towards it
+    assert rates[0] == pytest.approx(first + math.sqrt(first * (1 - first) / 34))
+    assert rates[0] >= rates[1] >= rates[2] >= rates[3]
+    # Many counts: the bound closes on the mean.
+    assert accept_rates([10_000], [5_000], [10_000], [5_000], 1)[0] == pytest.approx(0.5, abs=0.006)
+    # A depth the method never reached continues the conditional rate of the one before it.
+    deep = accept_rates([1000, 1000], [900, 810], [1000, 1000], [900, 810], 4)
+    assert deep[3] / deep[2] == pytest.approx(deep[2] / deep[1], rel=0.02)
+    assert deep[3] > 0.6  # not 0.8^4 = 0.41
+    # Weight: a request's counts fade while the policy keeps it plain, back to its method's rate.
+    faded = accept_rates([20], [2], [100], [50], 1, weight=0.01)[0]
+    assert faded > accept_rates([20], [2], [100], [50], 1)[0]
+    assert faded == pytest.approx(accept_rates([], [], [100], [50], 1)[0], abs=0.02)
+
+
+def test_one_unlucky_draft_does_not_stop_a_method_for_good() -> None:
+    policy = SpeculationPolicy(LatencyCurve(((1, 0.030), (2, 0.034), (4, 0.042), (8, 0.070))))
+    # The method's one step so far failed at depth 1: it drafts again.
+    unlucky = Candidate(4, accept_rates([1], [0], [1], [0], 4), 0.006)
+    assert policy.budgets([unlucky], 1, 512)[0] > 0
+    # Forty steps with 4 accepted: it does not.
+    hopeless = Candidate(4, accept_rates([], [], [40], [4], 4), 0.006)
+    assert policy.budgets([hopeless], 1, 512)[0] == 0
     # With no counts at all the optimistic prior makes a lone request draft, so counts appear.
-    policy = SpeculationPolicy(LatencyCurve(((1, 0.031), (4, 0.049))))
-    assert policy.budgets([Candidate(4, accept_rates([], [], [], 4), 0.0)], 1, 512)[0] > 0
+    assert policy.budgets([Candidate(4, accept_rates([], [], [], [], 4), 0.0)], 1, 512)[0] > 0
 
 
 @pytest.mark.real

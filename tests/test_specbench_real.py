@@ -49,7 +49,9 @@ def _available(spec: dict) -> bool:
 
 
 def test_every_method_is_lossless_on_smollm2_across_specbench() -> None:
-    llm = LLM(model="smollm2-135m", dtype="float32")
+    # The load policy off: every step verifies the method's whole draft (with it on, a method
+    # whose drafts do not pay here would take plain steps, and its verifier would go untested).
+    llm = LLM(model="smollm2-135m", dtype="float32", speculation_policy=False)
     questions = load_questions(DEFAULT_QUESTIONS, per_category=2, categories=None)
     assert len({category_of(q) for q in questions}) >= 6  # every Spec-Bench category is present
     specs = [parse_speculative(s) for s in SMOLLM_METHODS if _available(s)]
@@ -62,7 +64,7 @@ def test_every_method_is_lossless_on_smollm2_across_specbench() -> None:
 
 
 def test_qwen_coder_draft_target_is_lossless_on_coding_prompts() -> None:
-    llm = LLM(model="qwen2.5-coder-1.5b", dtype="float32")
+    llm = LLM(model="qwen2.5-coder-1.5b", dtype="float32", speculation_policy=False)
     questions = [
         {"category": "coding", "turns": [turn]}
         for turn in (

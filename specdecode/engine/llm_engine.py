@@ -49,7 +49,6 @@ from specdecode.engine.policy import (
     LatencyCurve,
     SpeculationPolicy,
     accept_rates,
-    method_rates,
 )
 from specdecode.engine.scheduler import Scheduler, Sequence
 from specdecode.errors import SpecDecodeError
@@ -143,6 +142,7 @@ class EngineStats:
     drafts_accepted: dict[str, int] = field(default_factory=dict)
     accepted_by_position: dict[str, list[int]] = field(default_factory=dict)
     proposed_by_position: dict[str, list[int]] = field(default_factory=dict)  # steps offering position i
+    reached_by_position: dict[str, list[int]] = field(default_factory=dict)  # ... with all before accepted
     # Running average of each method's drafting seconds per draft token, over its requests.
     draft_cost: dict[str, float] = field(default_factory=dict)
     # Seconds from a request's arrival to its first token, and per output token after the first
@@ -156,13 +156,16 @@ class EngineStats:
         self.drafts_accepted[method] = self.drafts_accepted.get(method, 0) + num_accepted
         proposed = self.proposed_by_position.setdefault(method, [])
         accepted = self.accepted_by_position.setdefault(method, [])
+        reached = self.reached_by_position.setdefault(method, [])
         grow = result.max_depth - len(proposed)
         if grow > 0:
             proposed += [0] * grow
             accepted += [0] * grow
+            reached += [0] * grow
         for d in range(result.max_depth):
             proposed[d] += 1
             accepted[d] += d < num_accepted
+            reached[d] += d <= num_accepted
 
 
 def _fixed_budget(seq: Sequence) -> int | None:
@@ -344,7 +347,9 @@ class LLMEngine:
                 proposal = trim(seq.drafter.propose(req, None if seeded else k), k)
                 spent = time.perf_counter() - tp
                 draft_seconds += spent
-                seq.draft_cost += EMA * (spent / k - seq.draft_cost)
+                # The first figure is taken whole: averaged in from zero, a draft model's forwards
+                # looked cheap for its request's first ten steps and it drafted past what paid.
+                seq.draft_cost += (EMA if seq.draft_cost > 0 else 1.0) * (spent / k - seq.draft_cost)
                 method = self.stats.draft_cost.get(seq.method, spent / k)
                 self.stats.draft_cost[seq.method] = method + EMA * (spent / k - method)
                 seq.idle_steps = 0
@@ -353,8 +358,11 @@ class LLMEngine:
                 # `propose` (a pause, a first-call index build) cannot keep a request from drafting
                 # for good. (Fading to zero instead made drafters that cost more than they gain
                 # look free again after a few plain steps: they drafted one step in four at a loss.)
-                method = self.stats.draft_cost.get(seq.method, 0.0)
-                seq.draft_cost += EMA * (method - seq.draft_cost)
+                # A request that never drafted has no figure of its own (0: its method's is used);
+                # drifting it up from zero made a costly drafter look nearly free for a while.
+                if seq.draft_cost > 0:
+                    method = self.stats.draft_cost.get(seq.method, seq.draft_cost)
+                    seq.draft_cost += EMA * (method - seq.draft_cost)
                 seq.idle_steps += 1
             plan = StepPlan.prepare(req, proposal, self.device)
             if not self.scheduler.make_room(seq, plan.length):
@@ -408,12 +416,13 @@ class LLMEngine:
         for seq in [s for s, k in zip(decoding, fixed, strict=True) if k is None]:
             depth = seq.max_step - 1
             stats = seq.req.stats
-            prior = method_rates(
-                self.stats.proposed_by_position.get(seq.method, []),
-                self.stats.accepted_by_position.get(seq.method, []),
-            )
             rates = accept_rates(
-                stats.proposed_by_position, stats.accepted_by_position, prior, depth, FORGET**seq.idle_steps
+                stats.reached_by_position,
+                stats.accepted_by_position,
+                self.stats.reached_by_position.get(seq.method, []),
+                self.stats.accepted_by_position.get(seq.method, []),
+                depth,
+                FORGET**seq.idle_steps,
             )
             cost = seq.draft_cost if seq.draft_cost > 0 else self.stats.draft_cost.get(seq.method, 0.0)
             candidates.append(Candidate(depth, rates, cost))
@@ -560,6 +569,7 @@ def _snapshot(stats: SpecStats) -> SpecStats:
         stats,
         proposed_by_position=list(stats.proposed_by_position),
         accepted_by_position=list(stats.accepted_by_position),
+        reached_by_position=list(stats.reached_by_position),
     )
 
 

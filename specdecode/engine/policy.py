@@ -14,12 +14,12 @@ The policy maximises the batch's expected tokens per second under two measured m
   drafts, whose trees, masks, walks and cache compaction cost more), and each request's drafting
   cost per draft token (a running average of its drafter's `propose` time: nearly zero for prompt
   lookup, a draft model's forwards for draft_model).
-- gain: a request's d-th draft token adds `p_d` expected tokens, where `p_d` is the rate at which
-  its position d was accepted so far (the request's own counts, shrunk towards its method's
-  engine-wide rates, which start from an optimistic prior of 0.8^d: a method the policy never let
-  draft could never show what it is worth, so it starts out drafting and the counts decide).
-  p_d never increases with d: depth d+1
-  can only be accepted after depth d.
+- gain: a request's d-th draft token adds `p_d` expected tokens, the chance that its draft's
+  first d tokens are accepted: a product of per-depth conditional rates (the request's own
+  counts, shrunk towards its method's engine-wide rates, which start from an optimistic 0.8),
+  each taken at an upper confidence bound (`accept_rates`). A method the policy never let draft
+  could never show what it is worth, so it starts out drafting, a few unlucky drafts do not stop
+  it while its counts are few, and the counts decide. p_d never increases with d.
 
 Every request emits one token per step whatever its draft, so with draft budgets k_i the
 expected tokens are `n + sum_i sum_{d<k_i} p_{i,d}`. Gains fall with depth, so the best
@@ -32,6 +32,7 @@ every request takes a plain step (its drafter is not even asked).
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,8 +42,10 @@ from specdecode.models.latency import forward_seconds
 from specdecode.models.transformer import Transformer
 
 PRIOR_STRENGTH = 4.0  # pseudo-steps a request's own acceptance counts are shrunk with
+METHOD_PRIOR = 2.0  # pseudo-steps of the prior a method's engine-wide counts are shrunk with
 PRIOR_RATE = 0.8  # acceptance rate of draft position 1 assumed before any count (optimistic)
 EMA = 0.1  # weight of the newest sample in the running averages
+EXPLORE = 1.0  # standard errors of optimism in the acceptance estimates (`accept_rates`)
 FORGET = 0.9  # per step without drafting, how much of a request's own acceptance counts remain
 
 
@@ -154,33 +157,44 @@ class SpeculationPolicy:
 
 
 def accept_rates(
-    own_proposed: list[int],
+    own_reached: list[int],
     own_accepted: list[int],
-    method_rates: list[float],
+    method_reached: list[int],
+    method_accepted: list[int],
     depth: int,
     weight: float = 1.0,
 ) -> list[float]:
-    """Estimated acceptance rate of draft positions 0..depth-1 for one request: its own counts,
-    worth `weight` each, shrunk towards its method's rates, made non-increasing.
+    """Optimistic acceptance rates p_d of draft positions 0..depth-1 for one request (the chance
+    that its draft's first d+1 tokens are accepted), non-increasing by construction.
+
+    p_d is a product of conditional rates: how often depth d was accepted when every depth before
+    it was (`accepted[d] / reached[d]`). Each is the request's own counts, worth `weight` each,
+    shrunk towards its method's engine-wide rate (itself from a prior worth 2 steps: 0.8 at
+    depth 1, deeper the rate of the depth before it, so a depth the method never reached
+    continues the one before), plus EXPLORE standard errors, the evidence being the request's
+    counts, the prior's and the method's (an upper confidence bound).
+
+    Why the bound and the conditional rates: with plain means of unconditional rates, a method
+    whose first drafts were unlucky never drafted again, so its counts never changed; and a
+    depth offered once in a step that failed at depth 1 read as a depth that fails, so it was
+    never granted again (the Qwen 0.5B draft then verified 1-2 tokens a step where 4 pay). Now a
+    method with few counts drafts again, one with many is judged by them, and only what happens
+    at a depth counts against it.
 
     The engine lowers `weight` (FORGET per step) while the policy keeps a request from drafting:
     its counts then say nothing new, and a text that turns repetitive later (where prompt lookup
     starts to pay) would never be noticed. As they fade, the estimate returns to the method's
     rate, and a request whose drafts pay at that rate drafts again and measures anew."""
     out: list[float] = []
-    last = 1.0
+    p, rate = 1.0, PRIOR_RATE
     for d in range(depth):
-        prior = method_rates[d] if d < len(method_rates) else PRIOR_RATE ** (d + 1)
-        n = weight * (own_proposed[d] if d < len(own_proposed) else 0)
+        m_n = method_reached[d] if d < len(method_reached) else 0
+        m_a = method_accepted[d] if d < len(method_accepted) else 0
+        prior = (m_a + METHOD_PRIOR * rate) / (m_n + METHOD_PRIOR)
+        n = weight * (own_reached[d] if d < len(own_reached) else 0)
         a = weight * (own_accepted[d] if d < len(own_accepted) else 0)
-        last = min(last, (a + PRIOR_STRENGTH * prior) / (n + PRIOR_STRENGTH))
-        out.append(last)
+        rate = (a + PRIOR_STRENGTH * prior) / (n + PRIOR_STRENGTH)
+        bound = rate + EXPLORE * math.sqrt(rate * (1.0 - rate) / (n + PRIOR_STRENGTH + m_n))
+        p *= min(1.0, bound)
+        out.append(p)
     return out
-
-
-def method_rates(proposed: list[int], accepted: list[int]) -> list[float]:
-    """A method's engine-wide acceptance rate per position, from the prior worth 2 steps."""
-    return [
-        (a + 2 * PRIOR_RATE ** (d + 1)) / (n + 2)
-        for d, (n, a) in enumerate(zip(proposed, accepted, strict=True))
-    ]
