@@ -160,3 +160,25 @@ def test_spec_bench_can_turn_the_load_policy_off(monkeypatch: pytest.MonkeyPatch
         with pytest.raises(Stop):
             specbench.main_args(parser.parse_args(["--model", "tiny", "--method", "prompt_lookup", *flags]))
         assert made[-1]["speculation_policy"] is want
+
+
+def test_spec_bench_reports_decoding_apart_from_prefill(
+    tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`specdecode bench` on a tiny model: every output equals plain decoding's, and beside the
+    whole request's tokens/s each row gives decoding's alone (the tokens after the first over the
+    time after the first token)."""
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(
+        json.dumps({"question_id": 1, "category": "qa", "turns": ["a b c a b c a b", "c a b"]}) + "\n"
+    )
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", str(tiny_gguf), "--questions", str(questions), "--max-tokens", "12"]
+    assert main([*argv, "--method", "prompt_lookup", "--json", str(out)]) == 0
+    assert "decode" in capsys.readouterr().out.splitlines()[0]
+    rows = {(r["method"], r["category"]): r for r in json.loads(out.read_text())["rows"]}
+    for method in ("plain", "prompt_lookup[k=4,n=2]"):
+        row = rows[(method, "overall")]
+        assert row["greedy_match"] and row["outputs"] == 2
+        assert row["decode_tokens_per_s"] > 0 and row["tokens_per_s"] > 0
+    assert rows[("plain", "overall")]["decode_speedup"] == 1.0

@@ -86,6 +86,10 @@ class Tally:
     forwards: int = 0
     outputs: int = 0
     mismatches: int = 0
+    # After each output's first token (what decoding, not the prompt's prefill, costs): 0 for
+    # transformers' runs, which report no first-token time.
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
 
     def add(self, other: Tally) -> None:
         self.tokens += other.tokens
@@ -93,10 +97,16 @@ class Tally:
         self.forwards += other.forwards
         self.outputs += other.outputs
         self.mismatches += other.mismatches
+        self.decode_tokens += other.decode_tokens
+        self.decode_seconds += other.decode_seconds
 
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
     @property
     def tau(self) -> float:
@@ -239,6 +249,9 @@ def run(
                     tally.seconds = time.perf_counter() - t0
                     tokens = out.token_ids
                     tally.forwards = out.stats.num_target_forwards
+                    if len(tokens) > 1:
+                        tally.decode_tokens = len(tokens) - 1
+                        tally.decode_seconds = out.timing.total_s - out.timing.first_token_s
                 tally.tokens = len(tokens)
                 if reference is None:
                     reference = tokens  # plain decoding runs first
@@ -264,6 +277,10 @@ def report(methods: list[Method], temperature: float) -> dict[str, Any]:
                     "category": cat,
                     "tokens_per_s": round(t.tok_s, 2),
                     "speedup": round(t.tok_s / b.tok_s, 3) if b.tok_s else None,
+                    "decode_tokens_per_s": round(t.decode_tok_s, 2) if t.decode_tok_s else None,
+                    "decode_speedup": round(t.decode_tok_s / b.decode_tok_s, 3)
+                    if t.decode_tok_s and b.decode_tok_s
+                    else None,
                     "tau": round(t.tau, 3) if not m.peer else None,
                     "greedy_match": (t.mismatches == 0) if temperature == 0 else None,
                     "outputs": t.outputs,
@@ -274,13 +291,20 @@ def report(methods: list[Method], temperature: float) -> dict[str, Any]:
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print(f"{'method':<52} {'category':<15} {'tok/s':>8} {'speedup':>8} {'tau':>6} {'match':>6}")
+    """Tokens/s and speedup over the whole request (prefill included), then over decoding alone
+    (after the first token; `decode`)."""
+    print(
+        f"{'method':<52} {'category':<15} {'tok/s':>8} {'speedup':>8} {'decode':>8} {'speedup':>8} "
+        f"{'tau':>6} {'match':>6}"
+    )
     for r in result["rows"]:
         tau = "" if r["tau"] is None else f"{r['tau']:.2f}"
         match = "" if r["greedy_match"] is None else ("yes" if r["greedy_match"] else "NO")
+        decode = "" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.2f}"
+        decode_x = "" if r["decode_speedup"] is None else f"{r['decode_speedup']:.2f}x"
         print(
             f"{r['method']:<52} {r['category']:<15} {r['tokens_per_s']:>8.2f} "
-            f"{r['speedup'] or 0:>7.2f}x {tau:>6} {match:>6}"
+            f"{r['speedup'] or 0:>7.2f}x {decode:>8} {decode_x:>8} {tau:>6} {match:>6}"
         )
 
 
