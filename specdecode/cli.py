@@ -108,7 +108,10 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-draft-tokens", "--max-draft-len", type=int, default=None, dest="num_draft_tokens")
     g.add_argument("--use-draft-logits", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument(
-        "--draft-dtype", default=None, help="draft_model / prompt_lookup: auto (default), float32 or bfloat16"
+        "--draft-dtype",
+        default=None,
+        help="draft_model / prompt_lookup: auto (default), stored, float32, bfloat16, "
+        "or q4_0 / q4_1 / q5_0 / q8_0 (quantized on load)",
     )
     g.add_argument(
         "--draft-window",

@@ -13,7 +13,9 @@ from typing import Any, ClassVar
 
 from specdecode.errors import SpecDecodeError
 
-DRAFT_DTYPES = ("auto", "float32", "bfloat16")
+# A draft model's weights: as the target's (auto), floats, or quantized on load into one of
+# `gguf.QUANTIZATIONS` (the test suite holds the two lists equal).
+DRAFT_DTYPES = ("auto", "stored", "float32", "bfloat16", "q4_0", "q4_1", "q5_0", "q8_0")
 DEFAULT_LOOKUP_TOKENS = 6  # the trained drafters' lookup branch (LookupBranchOptions)
 DEFAULT_EAGLE2 = (3, 3, 8)  # depth, top_k, total_tokens (Eagle2Config)
 
@@ -40,10 +42,13 @@ class DraftModelConfig:
 
     `use_draft_logits`: verify by rejection sampling with the draft's distribution (on) or by
     matching the draft's tokens as point masses (off). Greedy decoding is token matching either way.
-    `draft_dtype`: the draft's weights; "auto" runs a GGUF draft's weights as stored where the
-    target's kernels run stored weights, else is bfloat16 for a float32 target on a CPU with the
-    bf16 kernel (half the bytes per draft token; a draft needs no exactness, the verifier decides),
-    else the target's dtype.
+    `draft_dtype`: the draft's weights. "auto": a GGUF draft, where the target's kernels run stored
+    weights, runs through the same kernels, re-quantized to Q4_0 if it stores more than 5.5 bits a
+    weight (a draft needs no exactness, the verifier decides; the Qwen 0.5B's 6.3 bits a weight
+    read 0.39 GB a token, its Q4_0 copy 0.28 GB), else as stored ("stored" asks for that always);
+    any other draft is bfloat16 for a float32 target on a CPU with the bf16 kernel, else the
+    target's dtype. "q4_0", "q4_1", "q5_0", "q8_0": the draft's weights (a GGUF's dequantized)
+    quantized on load into that block format, float32 activations, on a CPU.
     `draft_window`: the draft reads only the last N tokens of each prompt (None: all of it): it
     prefills every prompt as the target does, and on a CPU a long prompt's prefill can cost the
     draft more than its drafts save. Output is unchanged.

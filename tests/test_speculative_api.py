@@ -3,6 +3,7 @@ heads loaded once per directory."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from torch import nn
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.drafters.medusa import save_heads
 from specdecode.drafters.redrafter import save_head
+from specdecode.models.loader import resolve_model
 from specdecode.models.transformer import Transformer
 from specdecode.spec_config import LookaheadConfig, parse_speculative
 from tests.test_draft_model import tiny_transformer
@@ -175,22 +177,50 @@ def test_cli_method_flags(tiny_paths, capsys: pytest.CaptureFixture[str]) -> Non
     assert "unknown option num_draft_tokens" in capsys.readouterr().err
 
 
-def test_draft_dtype(llm: LLM, tiny_paths) -> None:
-    """auto: a GGUF draft runs as stored where the target's kernels run stored weights (its Q8_0
-    blocks, float32 activations); another draft of a float32 target on a CPU with the bf16 kernel
-    in bfloat16; or as asked."""
+def test_draft_dtype(llm: LLM, tiny_paths, tmp_path: Path) -> None:
+    """auto: a GGUF draft runs through the target's quantized kernels where they run stored
+    weights, re-quantized to Q4_0 when it stores more than 5.5 bits a weight, else as stored
+    ("stored" asks for that); another draft of a float32 target on a CPU with the bf16 kernel in
+    bfloat16; or as asked, a block format quantized on load. Greedy output stays plain's."""
     draft = str(tiny_paths[1])
     if llm.model.kernels.quant is not None:
+        quant = llm.model.kernels.quant
         layers = (".attn_q", ".attn_k", ".attn_v", ".attn_output", ".ffn_gate", ".ffn_up", ".ffn_down")
-        formats = {f"{name}.weight": "Q8_0" for name in layers}
-        q8 = write_tiny_gguf(tiny_paths[1].parent / "q8.gguf", "llama", seed=1, width=4, formats=formats)
-        stored = llm.drafters.draft_model(str(q8.path), "auto")
-        assert stored.dtype == torch.float32 and stored.layers[0].qkv.kernel is llm.model.kernels.quant
+        q8 = {f"{name}.weight": "Q8_0" for name in [*layers, "output"]}
+        q8_path = write_tiny_gguf(tiny_paths[1].parent / "q8.gguf", "llama", seed=1, width=4, formats=q8).path
+        q4 = {f"{name}.weight": "Q4_0" for name in [*layers, "output"]}
+        q4_path = write_tiny_gguf(tiny_paths[1].parent / "q4.gguf", "llama", seed=1, width=4, formats=q4).path
+
+        def formats(model: Transformer) -> set[str]:
+            assert model.dtype == torch.float32 and model.layers[0].qkv.kernel is quant
+            return {p.format for layer in model.layers for p in layer.qkv.quantized.parts}
+
+        assert formats(llm.drafters.draft_model(str(q8_path), "auto")) == {"Q4_0"}
+        assert formats(llm.drafters.draft_model(str(q8_path), "stored")) == {"Q8_0"}
+        assert formats(llm.drafters.draft_model(str(q4_path), "auto")) == {"Q4_0"}  # as stored
+        assert formats(llm.drafters.draft_model(str(q4_path), "q5_0")) == {"Q5_0"}
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        plain = llm.generate(["a b c"], params)[0].token_ids
+        for dtype in ("auto", "stored", "q5_0"):
+            spec = {"method": "draft_model", "draft_model": str(q8_path), "draft_dtype": dtype}
+            assert llm.generate(["a b c"], params, speculative=spec)[0].token_ids == plain
     else:  # no quantized kernels here (SPECDECODE_CPU_ISA=off, no compiler)
         auto = torch.bfloat16 if llm.model.kernels.fast_bf16 else torch.float32
         assert llm.drafters.draft_model(draft, "auto").dtype == auto
+    # A Hugging Face directory (the draft's converted copy without its source GGUF): none stored.
+    checkpoint = shutil.copytree(resolve_model(draft), tmp_path / "hf")
+    (checkpoint / "specdecode_source.json").unlink()
+    with pytest.raises(SpecDecodeError, match="draft_dtype=stored"):
+        llm.drafters.draft_model(str(checkpoint), "stored")
     assert llm.drafters.draft_model(draft, "float32").dtype == torch.float32
     assert llm.drafters.draft_model(draft, "bfloat16").dtype == torch.bfloat16
+
+
+def test_draft_dtypes_name_every_quantization() -> None:
+    from specdecode.models.gguf import QUANTIZATIONS
+    from specdecode.spec_config import DRAFT_DTYPES
+
+    assert set(QUANTIZATIONS) <= set(DRAFT_DTYPES)
 
 
 # Trained heads through `LLM`: per method, the setting naming the head's directory, a random head

@@ -324,6 +324,15 @@ def source_gguf(model_dir: str | Path) -> Path | None:
     return source if source.is_file() else None
 
 
+def bits_per_weight(path: str | Path) -> float:
+    """Bits a forward reads per weight of the GGUF's matrices (the input embedding, read a row a
+    token, left out): 4.5 for Q4_0 or Q4_K throughout, 8.5 for Q8_0."""
+    reader = _open(Path(path))
+    matrices = [t for t in reader.tensors if len(t.shape) == 2 and t.name != "token_embd.weight"]
+    weights = sum(int(t.n_elements) for t in matrices)
+    return 8 * sum(int(t.n_bytes) for t in matrices) / weights if weights else 0.0
+
+
 def stored_weights(path: str | Path) -> dict[str, tuple[str, np.ndarray]]:
     """The GGUF's 2-D weights as stored: Hugging Face name -> (format name, (rows, row_bytes)
     uint8 blocks), Q/K rows put back in Hugging Face's order. Float tensors are left out. The

@@ -111,11 +111,26 @@ def load_target(
 
     if quantization is not None:
         quantization = _check_quantization(path, quantization, dtype, device)
-        return Transformer.from_dir(path, torch.float32, device, quantization=quantization)
+        return load_quantized(path, quantization, device)
     if dtype == "auto":
         stored = source_gguf(path) if device.type == "cpu" else None
         return Transformer.from_dir(path, torch.float32, device, stored=stored)
     return Transformer.from_dir(path, resolve_dtype(dtype), device)
+
+
+def load_quantized(path: Path, quantization: str, device: torch.device) -> Transformer:
+    """The model in `path` with its linear weights and LM head quantized on load into
+    `quantization` (one of `gguf.QUANTIZATIONS`), from its float weights: for a directory
+    converted from a GGUF, the stored blocks dequantized and quantized again. The target refuses
+    that (`load_target`: a GGUF runs as stored); a draft model may ask for it, fewer bytes per
+    draft token (`DraftModelConfig.draft_dtype`)."""
+    from specdecode.models.transformer import Transformer
+
+    if device.type != "cpu":
+        raise SpecDecodeError(f"quantization={quantization} runs on the CPU kernels, not on {device}")
+    return Transformer.from_dir(
+        path, torch.float32, device, stored=source_gguf(path), quantization=quantization
+    )
 
 
 def _check_quantization(path: Path, quantization: str, dtype: str | torch.dtype, device: torch.device) -> str:

@@ -35,6 +35,8 @@ from specdecode.layers.lm_head import DraftHead, LMHead
 from specdecode.layers.rotary import Rotary
 from specdecode.models.config import ModelConfig
 
+EMBEDDING = "model.embed_tokens.weight"  # the input embedding's Hugging Face name
+
 
 class _Tensors(Mapping[str, torch.Tensor]):
     """The tensors of a directory's safetensors files, each read when asked for (weights held as
@@ -249,11 +251,11 @@ class Transformer(nn.Module):
             return lambda: take(name).t() if transpose else take(name)
 
         ours: dict[str, Callable[[], torch.Tensor]] = {
-            "embed.weight": one("model.embed_tokens.weight"),
+            "embed.weight": one(EMBEDDING),
             "norm.weight": one("model.norm.weight"),
         }
         if not cfg.tie_word_embeddings:  # some untied checkpoints still omit the head
-            ours["lm_head.weight_t"] = lambda: hf.get("lm_head.weight", take("model.embed_tokens.weight")).t()
+            ours["lm_head.weight_t"] = lambda: hf.get("lm_head.weight", take(EMBEDDING)).t()
         for i in range(cfg.num_layers):
             p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
             ours[f"layers.{i}.attn_norm.weight"] = one(p + "input_layernorm.weight")
@@ -303,7 +305,7 @@ class Transformer(nn.Module):
                 self.lm_head = Dense(c, vocab).to(self.device)
                 self.head = LMHead(self.embed, self.lm_head)
             hold(self.lm_head, [head])
-        name = "model.embed_tokens.weight"
+        name = EMBEDDING
         if embedding and name in stored:
             tied = self.lm_head if self.config.tie_word_embeddings else None
             if tied is not None and tied.quantized is not None:
@@ -327,7 +329,7 @@ class Transformer(nn.Module):
         return out
 
     def _head_name(self) -> str:
-        return "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        return EMBEDDING if self.config.tie_word_embeddings else "lm_head.weight"
 
     def stored_names(self) -> list[str]:
         """The Hugging Face names of the weights `load_stored` can hold as stored."""
@@ -346,7 +348,8 @@ class Transformer(nn.Module):
         GGUF file the directory was converted from, its quantized weights stay as stored (run in
         float32 through the kernels' quantized products, or dequantized where there are none).
         With `quantization` (see `gguf.QUANTIZATIONS`), the float linear weights and LM head are
-        quantized on load and then held the same way."""
+        quantized on load and then held the same way (with `stored` too, a GGUF's dequantized
+        weights quantized again, its input embedding kept as stored: a draft model's choice)."""
         from safetensors import safe_open
 
         from specdecode.models.gguf import quantized_weights, stored_weights
@@ -365,10 +368,14 @@ class Transformer(nn.Module):
         except Exception as exc:  # safetensors raises several types for a damaged file
             raise SpecDecodeError(f"cannot read weights in {path}: {exc}") from None
         tensors = _Tensors(handles, path)
-        if stored is not None:
+        if quantization is not None:
+            weights = quantized_weights(tensors, model.stored_names(), quantization)
+            if stored is not None:  # a GGUF quantized again: its input embedding stays as stored
+                weights |= {n: w for n, w in stored_weights(stored).items() if n == EMBEDDING}
+            # A float checkpoint's input embedding stays float (its own values).
+            model.load_stored(weights, embedding=stored is not None)
+        elif stored is not None:
             model.load_stored(stored_weights(stored))
-        elif quantization is not None:  # the input embedding stays float (its own values)
-            model.load_stored(quantized_weights(tensors, model.stored_names(), quantization), embedding=False)
         model.load_hf_state_dict(tensors)
         model.bind_kernels()
         return model.eval()
