@@ -165,20 +165,35 @@ def test_spec_bench_can_turn_the_load_policy_off(monkeypatch: pytest.MonkeyPatch
 def test_spec_bench_reports_decoding_apart_from_prefill(
     tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`specdecode bench` on a tiny model: every output equals plain decoding's, and beside the
-    whole request's tokens/s each row gives decoding's alone (the tokens after the first over the
-    time after the first token)."""
+    """`specdecode bench` on a tiny model: every output equals plain decoding's, beside the whole
+    request's tokens/s each row gives decoding's alone (the tokens after the first over the time
+    after the first token), and `--plot` draws the speedups."""
     questions = tmp_path / "q.jsonl"
     questions.write_text(
         json.dumps({"question_id": 1, "category": "qa", "turns": ["a b c a b c a b", "c a b"]}) + "\n"
     )
-    out = tmp_path / "bench.json"
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     argv = ["bench", "--model", str(tiny_gguf), "--questions", str(questions), "--max-tokens", "12"]
-    assert main([*argv, "--method", "prompt_lookup", "--json", str(out)]) == 0
-    assert "decode" in capsys.readouterr().out.splitlines()[0]
+    assert main([*argv, "--method", "prompt_lookup", "--json", str(out), "--plot", str(png)]) == 0
+    printed = capsys.readouterr().out
+    assert "decode" in printed.splitlines()[0] and f"plot written to {png}" in printed
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the speedups drawn (matplotlib)
     rows = {(r["method"], r["category"]): r for r in json.loads(out.read_text())["rows"]}
     for method in ("plain", "prompt_lookup[k=4,n=2]"):
         row = rows[(method, "overall")]
         assert row["greedy_match"] and row["outputs"] == 2
         assert row["decode_tokens_per_s"] > 0 and row["tokens_per_s"] > 0
     assert rows[("plain", "overall")]["decode_speedup"] == 1.0
+
+
+def test_bench_peer_plot_draws_every_run(tmp_path: Path) -> None:
+    """bench-peer's `--plot` (its runs need llama.cpp, not here): tokens/s per category drawn."""
+    from specdecode.bench.peer import Run, plot
+
+    runs = [Run("llama.cpp plain"), Run("specdecode plain")]
+    for i, run in enumerate(runs):
+        run.add("qa", 100, 1.0 + i, "text")
+        run.add("rag", 50, 2.0, "text")
+    png = tmp_path / "peer.png"
+    plot(runs, ["qa", "rag"], str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from specdecode.bench.plots import Panel, draw
 from specdecode.bench.specbench import DEFAULT_QUESTIONS, load_questions
 from specdecode.errors import SpecDecodeError
 from specdecode.llm import LLM
@@ -134,22 +135,8 @@ def table(runs: list[Run], categories: list[str]) -> str:
 
 
 def plot(runs: list[Run], categories: list[str], file: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cats = [*categories, "overall"]
-    width = 0.8 / len(runs)
-    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(cats)), 4.5))
-    for i, run in enumerate(runs):
-        values = [run.rate(c) for c in categories] + [run.rate()]
-        ax.bar([x + i * width for x in range(len(cats))], values, width, label=run.name)
-    ax.set_xticks([x + width * (len(runs) - 1) / 2 for x in range(len(cats))], cats, rotation=20)
-    ax.set_ylabel("output tokens/s (one request at a time)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(file, dpi=120)
+    series = [(run.name, [run.rate(c) for c in categories] + [run.rate()]) for run in runs]
+    draw(file, [Panel("output tokens/s (one request at a time)", [*categories, "overall"], series)])
 
 
 def main_args(args: argparse.Namespace) -> None:

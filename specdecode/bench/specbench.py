@@ -308,6 +308,27 @@ def print_table(result: dict[str, Any]) -> None:
         )
 
 
+def plot(result: dict[str, Any], file: str) -> None:
+    """Speedup over plain decoding per category and method: whole requests, then decoding alone."""
+    from specdecode.bench.plots import Panel, draw
+
+    rows = [r for r in result["rows"] if r["method"] != "plain"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    categories = list(dict.fromkeys(r["category"] for r in rows))
+    value = {(r["method"], r["category"]): r for r in rows}
+
+    def series(key: str) -> list[tuple[str, list[float]]]:
+        return [(m, [value[m, c][key] or 0.0 for c in categories]) for m in methods]
+
+    draw(
+        file,
+        [
+            Panel("speedup over plain decoding (whole requests)", categories, series("speedup"), 1.0),
+            Panel("speedup over plain decoding (decoding alone)", categories, series("decode_speedup"), 1.0),
+        ],
+    )
+
+
 def specs_from_args(args: argparse.Namespace) -> list[SpecConfig | None]:
     specs: list[SpecConfig | None] = [None]
     for name in args.method or []:
@@ -337,6 +358,9 @@ def main_args(args: argparse.Namespace) -> None:
     print_table(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.plot:
+        plot(result, args.plot)
+        print(f"plot written to {args.plot}")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -358,3 +382,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--transformers", action="store_true", help="also time transformers on the same prompts")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    p.add_argument(
+        "--plot", metavar="FILE.png", help="draw each method's speedups to this PNG (needs matplotlib)"
+    )
