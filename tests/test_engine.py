@@ -18,7 +18,7 @@ from specdecode.engine.block_pool import BlockPool
 from specdecode.engine.config import EngineConfig
 from specdecode.engine.llm_engine import EngineRequest, LLMEngine, RequestDelta
 from specdecode.engine.paged_cache import PagedCache, PagedKVStorage
-from specdecode.engine.policy import Candidate, LatencyCurve, SpeculationPolicy, accept_rates
+from specdecode.engine.policy import METHOD_PRIOR, Candidate, LatencyCurve, SpeculationPolicy, accept_rates
 from specdecode.request import Proposal, Request, StepResult
 from specdecode.spec_config import parse_speculative
 from specdecode.tree import DraftTree
@@ -572,9 +572,9 @@ def test_accept_rates_are_optimistic_products_of_conditional_rates() -> None:
     # The request: depth 1 accepted 9 times in 10, depth 2 once in the 9 steps that reached it.
     # Its method: 20 steps at each depth, half accepted.
     rates = accept_rates([10, 9, 1], [9, 1, 1], [20, 20, 20], [10, 10, 10], 4)
-    prior = (10 + 2 * 0.8) / 22  # the method's rate, from the 0.8 prior worth 2 steps
+    prior = (10 + METHOD_PRIOR * 0.8) / (20 + METHOD_PRIOR)  # the method's rate, from the 0.8 prior
     first = (9 + 4 * prior) / 14  # own counts shrunk towards it
-    assert rates[0] == pytest.approx(first + math.sqrt(first * (1 - first) / 34))
+    assert rates[0] == pytest.approx(first + math.sqrt(first * (1 - first) / 34))  # 10 + 4 + 20
     assert rates[0] >= rates[1] >= rates[2] >= rates[3]
     # Many counts: the bound closes on the mean.
     assert accept_rates([10_000], [5_000], [10_000], [5_000], 1)[0] == pytest.approx(0.5, abs=0.006)
@@ -583,7 +583,7 @@ def test_accept_rates_are_optimistic_products_of_conditional_rates() -> None:
     assert deep[3] / deep[2] == pytest.approx(deep[2] / deep[1], rel=0.02)
     assert deep[3] > 0.6  # not 0.8^4 = 0.41
     # Weight: a request's counts fade while the policy keeps it plain, back to its method's rate.
-    faded = accept_rates([20], [2], [100], [50], 1, weight=0.01)[0]
+    faded = accept_rates([20], [2], [100], [50], 1, weight=0.001)[0]
     assert faded > accept_rates([20], [2], [100], [50], 1)[0]
     assert faded == pytest.approx(accept_rates([], [], [100], [50], 1)[0], abs=0.02)
 

@@ -30,7 +30,9 @@ def draw(file: str, panels: Sequence[Panel]) -> None:
     import matplotlib.pyplot as plt
 
     widest = max(len(p.categories) for p in panels)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 1.4 * widest) + 3, 4.5 * len(panels)), squeeze=False)
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(max(8, 1.4 * widest) + 3, 4.5 * len(panels)), squeeze=False
+    )
     for ax, panel in zip(axes[:, 0], panels, strict=True):
         width = 0.8 / max(len(panel.series), 1)
         for i, (label, values) in enumerate(panel.series):

@@ -42,7 +42,7 @@ from specdecode.models.latency import forward_seconds
 from specdecode.models.transformer import Transformer
 
 PRIOR_STRENGTH = 4.0  # pseudo-steps a request's own acceptance counts are shrunk with
-METHOD_PRIOR = 2.0  # pseudo-steps of the prior a method's engine-wide counts are shrunk with
+METHOD_PRIOR = 8.0  # pseudo-steps of the prior a method's engine-wide counts are shrunk with
 PRIOR_RATE = 0.8  # acceptance rate of draft position 1 assumed before any count (optimistic)
 EMA = 0.1  # weight of the newest sample in the running averages
 EXPLORE = 1.0  # standard errors of optimism in the acceptance estimates (`accept_rates`)
@@ -169,10 +169,11 @@ def accept_rates(
 
     p_d is a product of conditional rates: how often depth d was accepted when every depth before
     it was (`accepted[d] / reached[d]`). Each is the request's own counts, worth `weight` each,
-    shrunk towards its method's engine-wide rate (itself from a prior worth 2 steps: 0.8 at
-    depth 1, deeper the rate of the depth before it, so a depth the method never reached
-    continues the one before), plus EXPLORE standard errors, the evidence being the request's
-    counts, the prior's and the method's (an upper confidence bound).
+    shrunk towards its method's engine-wide rate (itself from a prior worth METHOD_PRIOR steps:
+    0.8 at depth 1, deeper the rate of the depth before it, so a depth the method never reached
+    continues the one before; two failed steps of a warm-up prompt do not decide a method), plus
+    EXPLORE standard errors, the evidence being the request's counts, the prior's and the
+    method's (an upper confidence bound).
 
     Why the bound and the conditional rates: with plain means of unconditional rates, a method
     whose first drafts were unlucky never drafted again, so its counts never changed; and a

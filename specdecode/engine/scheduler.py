@@ -40,6 +40,7 @@ class Sequence:
     started: bool = False  # the drafter has been told the prompt is cached (`begin`)
     draft_cost: float = 0.0  # running average of drafting seconds per draft token
     idle_steps: int = 0  # decoding steps since the policy last let it draft
+    proposals: int = 0  # drafts its drafter was asked for
     return_hidden: bool = False  # return every decided position's hidden state (`EngineRequest`)
 
     @property
