@@ -98,8 +98,7 @@ class DrafterFactory:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.progress = progress
-        self._loaded: dict[tuple[str, str, torch.dtype], Any] = {}
-        self._bits: dict[Path, float] = {}  # bits a weight of each GGUF draft asked for
+        self._loaded: dict[tuple[str, str, torch.dtype | str], Any] = {}
 
     def build(self, spec: SpecConfig | None, draft_cache: DraftCacheFactory | None = None) -> Drafter | None:
         """A fresh drafter for one request (None: plain decoding). `draft_cache` makes a draft
@@ -130,10 +129,9 @@ class DrafterFactory:
         stored_here = self.target.kernels.quant is not None
         source = source_gguf(path) if stored_here else None
         if dtype == "auto" and source is not None:
-            # Asked once per file: reading a GGUF's tables takes seconds (its vocabulary).
-            if source not in self._bits:
-                self._bits[source] = bits_per_weight(source)
-            if self._bits[source] > AUTO_DRAFT_BITS:
+            # Read once per file, through the one cache: a GGUF's tables take seconds (its vocabulary).
+            bits = self.load("bits_per_weight", str(source), "", lambda: bits_per_weight(source))
+            if bits > AUTO_DRAFT_BITS:
                 dtype = AUTO_DRAFT_FORMAT
         if dtype == "stored" and source is None:
             raise SpecDecodeError(
