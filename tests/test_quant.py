@@ -321,6 +321,58 @@ def test_a_float_dense_quantized_holds_the_round_trip() -> None:
     assert odd.quantized is None
 
 
+def test_an_eagle_head_runs_its_layer_in_one_call(quant_gguf: Path, tmp_path: Path) -> None:
+    """EAGLE's draft layer (no norm before attention) beside a stored target runs through the
+    one-call decoder, with the same bits as its layer called op by op: prompt pairs, then a
+    draft tree's depth over them."""
+    from specdecode.drafters.eagle import EagleHead, save_head
+
+    llm = LLM(str(quant_gguf), progress=False)
+    target = llm.model
+    if target._decoder is None:
+        pytest.skip("no quantized kernels here (no C++ compiler, or SPECDECODE_CPU_ISA=off)")
+    torch.manual_seed(0)
+    path = save_head(EagleHead(target.config), tmp_path / "eagle", target="tiny", dtype=torch.float32)
+    head = llm.drafters.head("eagle", str(path))
+    assert not head.input_norm
+    one_call = head._one_call()
+    assert one_call is not None
+    decoder, prepared = one_call
+    calls: list[int] = []  # rows of each one-call forward
+
+    class Counting:  # the decoder, counting its calls
+        def run(self, *args):  # type: ignore[no-untyped-def]
+            calls.append(args[1].shape[0])
+            return decoder.run(*args)
+
+    c = target.config.hidden_size
+    tokens = torch.tensor([200, 5, 17, 31, 8, 4, 7, 9])
+    features = torch.randn(8, c)
+
+    def outputs() -> list[torch.Tensor]:
+        with torch.inference_mode():
+            cache = head.new_cache(16, torch.float32, "cpu")
+            embeds = target.embed(tokens)
+            prompt = head.run(cache, embeds[:5], features[:5], torch.arange(5))
+            mask = torch.zeros(3, 8, dtype=torch.bool)
+            mask[:, :5] = True
+            mask[0, 5] = mask[1, 6] = mask[2, 7] = True  # three siblings over the prompt
+            tree = head.run(cache, embeds[5:], features[5:], torch.full((3,), 5), mask)
+        return [prompt, tree]
+
+    kernels = head.layer.kernels
+    try:
+        head._decoder = (kernels, (Counting(), prepared))  # type: ignore[assignment]
+        fused = outputs()
+        head._decoder = (kernels, None)  # the layer op by op
+        by_layer = outputs()
+    finally:
+        head._decoder = None
+    assert calls == [5, 3]
+    for a, b in zip(fused, by_layer, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_heads_beside_a_stored_target_draft_from_blocks(quant_gguf: Path, tmp_path: Path) -> None:
     """A target run as stored gets its drafter heads' layers, and the draft vocabulary's columns of
     its LM head, in Q8_0 blocks (read once per depth); greedy output stays plain decoding's."""

@@ -66,7 +66,7 @@ class LayerWeights:
     """One pre-norm decoder layer as `DecoderRows` takes it: the norms' weights (C,) and epsilon,
     each matrix as the quantized kernel holds it with its bias (or None), and the heads."""
 
-    attn_norm: Tensor
+    attn_norm: Tensor | None  # None: no norm before attention (EAGLE's draft layer)
     mlp_norm: Tensor
     eps: float
     qkv: QuantWeight

@@ -129,7 +129,7 @@ class Decoder:
         for i, layer in enumerate(layers):
             if (layer.heads, layer.kv_heads, layer.head_dim, layer.eps) != shape:
                 return None
-            row = [layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr()]
+            row = [0 if layer.attn_norm is None else layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr()]
             for weight, bias in (
                 (layer.qkv, layer.qkv_bias), (layer.o, layer.o_bias),
                 (layer.gate_up, layer.gate_up_bias), (layer.down, layer.down_bias),
@@ -140,7 +140,7 @@ class Decoder:
                 row += [0 if bias is None else bias.data_ptr(), len(weight.parts), *calls]
                 row += [0] * (3 * (MAX_PARTS - len(weight.parts)))
             records[i] = torch.tensor(row, dtype=torch.int64)
-        c, width = first.attn_norm.numel(), first.down.in_features
+        c, width = first.mlp_norm.numel(), first.down.in_features
         return Prepared(records, tuple(layers), c, *shape[:3], width, shape[3])
 
     def run(  # shapes: `base.DecoderRows`

@@ -22,7 +22,8 @@ void specdecode_silu_mul(const float* gu, int64_t M, int64_t I, float* out);
 
 namespace {
 
-// A layer's record (int64 each, see decoder.py): the two norms' weights, then each matrix
+// A layer's record (int64 each, see cpu_isa.py): the two norms' weights (the first 0: no norm
+// before attention), then each matrix
 // (q|k|v, o, gate|up, down) as its bias (0: none), its number of parts and each part's ggml
 // type, data and rows (up to MAX_PARTS).
 constexpr int MAX_PARTS = 3, MATRIX = 2 + 3 * MAX_PARTS, RECORD = 2 + 4 * MATRIX;
@@ -70,7 +71,10 @@ int specdecode_decoder_rows(const int64_t* layers, int n_layers, float* x, int64
         const auto* attn_norm = reinterpret_cast<const float*>(rec[0]);
         const auto* mlp_norm = reinterpret_cast<const float*>(rec[1]);
         const int64_t *m_qkv = rec + 2, *m_o = m_qkv + MATRIX, *m_gu = m_o + MATRIX, *m_down = m_gu + MATRIX;
-        specdecode_rms_norm(x, attn_norm, h.data(), T, C, eps);
+        if (attn_norm != nullptr)
+            specdecode_rms_norm(x, attn_norm, h.data(), T, C, eps);
+        else  // a layer without a norm before attention (EAGLE's): its input as it is
+            for (int64_t i = 0; i < T * C; ++i) h[i] = x[i];
         if (product(m_qkv, h.data(), T, C, qkv_n, qkv.data(), prefill_from, threads)) return 1;
         const float* q = qkv.data();
         if (specdecode_attend_rows(q, D, qkv_n, q + att_n, D, qkv_n, q + att_n + Hkv * D, D, qkv_n,

@@ -105,22 +105,61 @@ class Block(nn.Module):
 
     def weights(self) -> LayerWeights | None:
         """The layer as `DecoderRows` takes it, where every matrix is held by the quantized
-        kernel and it normalises its input (None otherwise)."""
+        kernel and its norms are float32 RMS norms (or it has none before attention; None
+        otherwise)."""
         denses = (self.qkv, self.o, self.gate_up, self.down)
         quant = self.kernels.quant
         if quant is None or any(d.quantized is None or d.kernel is not quant for d in denses):
             return None
-        if not isinstance(self.attn_norm, RMSNorm) or self.attn_norm.eps != self.mlp_norm.eps:
-            return None
-        if self.attn_norm.weight.dtype != torch.float32:
+        attn_norm = None  # no norm before attention (EAGLE's layer)
+        if isinstance(self.attn_norm, RMSNorm):
+            if self.attn_norm.eps != self.mlp_norm.eps or self.attn_norm.weight.dtype != torch.float32:
+                return None
+            attn_norm = self.attn_norm.weight.detach()
+        if self.mlp_norm.weight.dtype != torch.float32:
             return None
         qkv, o, gate_up, down = (d.quantized for d in denses)
         assert qkv is not None and o is not None and gate_up is not None and down is not None
         return LayerWeights(
-            self.attn_norm.weight.detach(), self.mlp_norm.weight.detach(), self.attn_norm.eps,
+            attn_norm, self.mlp_norm.weight.detach(), self.mlp_norm.eps,
             qkv, _bias(self.qkv), o, _bias(self.o), gate_up, _bias(self.gate_up), down, _bias(self.down),
             self.n_heads, self.n_kv, self.head_dim,
         )  # fmt: skip
+
+
+def prepare_one_call(layers: Sequence[Block], kernels: Kernels) -> tuple[DecoderRows, object] | None:
+    """`layers` laid out for `kernels`' one-call decoder, where it takes them all (else None)."""
+    weights = [layer.weights() for layer in layers]
+    if kernels.decoder is None or not weights or any(w is None for w in weights):
+        return None
+    prepared = kernels.decoder.prepare(weights)  # type: ignore[arg-type]
+    return None if prepared is None else (kernels.decoder, prepared)
+
+
+def run_in_one_call(
+    decoder: tuple[DecoderRows, object] | None,
+    kernels: Kernels,
+    num_layers: int,
+    x: torch.Tensor,  # (1, T, C) the first layer's input, a scratch tensor: overwritten
+    cos: torch.Tensor,  # (1, 1, T, D)
+    sin: torch.Tensor,  # (1, 1, T, D)
+    plan: AttentionPlan,
+) -> torch.Tensor | None:
+    """The layers' output (1, T, C) from one kernel call, the same bits as calling them one by
+    one, where every row goes through the row attention (else None: call the layers)."""
+    if decoder is None or torch.is_grad_enabled() or x.shape[0] != 1:
+        return None
+    rows = plan.kernel_rows(kernels, cos.shape[-1], x.dtype, x.device)
+    if rows is None:
+        return None
+    flat = x[0].contiguous()  # (T, C): overwritten (x too, where it is contiguous)
+    caches = [rows.cache.layer_slots(i) for i in range(num_layers)]
+    run, prepared = decoder
+    run.run(
+        prepared, flat, caches, rows.rows, rows.new_slots, rows.row_ptr, rows.idx, cos[0, 0], sin[0, 0],
+        prefill_rows(flat.shape[0], plan.prefill_from),
+    )  # fmt: skip
+    return flat[None]
 
 
 def _bias(dense: Dense) -> torch.Tensor | None:
@@ -187,17 +226,9 @@ class Transformer(nn.Module):
         caller commits the plan). Returns hidden states (B, T, C)."""
         cos, sin = self.rotary(positions, self.dtype)
         x = self.embed(input_ids)
-        if self._decoder is not None and not torch.is_grad_enabled() and x.shape[0] == 1:
-            rows = plan.kernel_rows(self.kernels, self.config.head_dim, x.dtype, x.device)
-            if rows is not None:  # every row through the row attention: all layers in one call
-                decoder, prepared = self._decoder
-                flat = x[0].contiguous()  # (T, C)
-                caches = [rows.cache.layer_slots(i) for i in range(len(self.layers))]
-                decoder.run(
-                    prepared, flat, caches, rows.rows, rows.new_slots, rows.row_ptr, rows.idx, cos[0, 0],
-                    sin[0, 0], prefill_rows(flat.shape[0], plan.prefill_from),
-                )  # fmt: skip
-                return self.norm(flat[None])
+        one_call = run_in_one_call(self._decoder, self.kernels, len(self.layers), x, cos, sin, plan)
+        if one_call is not None:
+            return self.norm(one_call)
         for layer in self.layers:
             x = layer(x, cos, sin, plan)
         return self.norm(x)
@@ -387,12 +418,7 @@ class Transformer(nn.Module):
         self.kernels = kernels or select(self.device)
         for layer in self.layers:
             bind_kernels(layer, self.kernels)
-        self._decoder = None
-        weights = [layer.weights() for layer in self.layers]
-        if self.kernels.decoder is not None and all(w is not None for w in weights):
-            prepared = self.kernels.decoder.prepare(weights)  # type: ignore[arg-type]
-            if prepared is not None:
-                self._decoder = self.kernels.decoder, prepared
+        self._decoder = prepare_one_call(list(self.layers), self.kernels)
         self.norm.bind_kernels(self.kernels)
         if self.lm_head is not None:
             self.lm_head.bind_kernels(self.kernels, pack=False)
