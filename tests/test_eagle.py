@@ -62,6 +62,13 @@ def random_head(model: Transformer, seed: int = 0, std: float = 0.3) -> EagleHea
     return randomized(lambda: EagleHead.for_target(model.config), seed, std)
 
 
+def propose_with_budget(drafter: EagleDrafter, model: Transformer, budget: int | None) -> DraftTree:
+    """`drafter`'s first proposal for a greedy request of the mixed prompt under `budget`."""
+    req = Request(model, PROMPTS["mixed"], greedy(8), [], drafter.max_nodes)
+    drafter.begin(req, prefill(model, req))
+    return drafter.propose(req, budget).tree
+
+
 # ------------------------------------------------------------------------------------------------
 # Greedy
 
@@ -172,6 +179,7 @@ SAMPLED: dict[str, Make] = {
     "eagle2, draft vocabulary of 5": lambda h, t: EagleDrafter.dynamic(
         with_vocab(h, [0, 2, 3, 5, 6]), t, depth=3, top_k=3, total_tokens=6
     ),
+    "eagle2, budgeted to a chain of 2": lambda h, t: Budgeted(h, t, grow=(3, 3, 6)),
 }
 
 
@@ -180,7 +188,8 @@ def test_sampling_is_lossless(small: tuple, name: str) -> None:
     target, head, exact = small
     result, tau = sampled_check(target, exact, lambda: SAMPLED[name](head, target), N_SAMPLES)
     assert result.ok, (result, tau)
-    assert tau > 1.2  # drafts were accepted: the verifier really ran on them
+    # Drafts were accepted: the verifier really ran on them (a chain of 2 tries fewer tokens).
+    assert tau > (1.05 if "chain" in name else 1.2)
 
 
 def test_check_catches_siblings_declared_unconditionally(small: tuple) -> None:
@@ -189,6 +198,72 @@ def test_check_catches_siblings_declared_unconditionally(small: tuple) -> None:
     liar = lambda h, t: UnconditionalLiar(h, t, [[0], [1], [2], [3]])  # noqa: E731
     result, _ = sampled_check(target, exact, lambda: liar(head, target), N_SAMPLES)
     assert not result.ok, result
+
+
+@pytest.mark.parametrize("name", ["eagle, paths only, wide", "eagle2, defaults"])
+def test_a_budget_below_the_tree_drafts_its_best_chain(target: Transformer, name: str) -> None:
+    """Given fewer draft tokens than its tree holds, a drafter proposes its top path, one token a
+    depth (what the load policy's per-depth rates describe), no deeper than its tree."""
+    head = random_head(target)
+    make = DRAFTERS[name]
+    depth = make(head, target).max_chain
+    assert depth == 3  # the deepest path; EAGLE-2's depth
+    best = propose_with_budget(EagleDrafter.dynamic(head, target, depth, 1, depth), target, None)
+    assert best.parents.tolist() == [0, 1, 2]  # top_k 1: the head's greedy chain
+    for budget in (1, 2, 3, 5):
+        drafter = make(head, target)
+        assert budget < drafter.max_nodes
+        chain = propose_with_budget(drafter, target, budget)
+        n = min(budget, depth)
+        assert chain.parents.tolist() == list(range(n))
+        assert chain.tokens.tolist() == best.tokens.tolist()[:n]
+    whole = propose_with_budget(make(head, target), target, None)
+    assert whole.num_nodes > depth and whole.parents.tolist() != list(range(whole.num_nodes))
+
+
+def test_the_load_policy_weighs_a_tree_drafter_as_its_chain(target: Transformer) -> None:
+    """The load policy weighs a tree drafter as deep as its chain (`max_chain`), not as many
+    tokens as its tree holds, and what it grants is proposed as that chain: output unchanged."""
+    from specdecode.engine.config import EngineConfig
+    from specdecode.engine.llm_engine import EngineRequest, LLMEngine
+
+    head = random_head(target)
+    curve = ((1, 0.010), (2, 0.0101), (4, 0.0102), (8, 0.0103), (16, 0.03))  # rows nearly free
+    engine = LLMEngine(target, EngineConfig(latency_curve=curve))
+    assert engine.policy is not None
+    weighed: list[int] = []
+    budgets = engine.policy.budgets
+    engine.policy.budgets = lambda c, base, most: (
+        weighed.extend(x.max_draft for x in c),
+        budgets(c, base, most),
+    )[1]
+    drafter = Recording(head, target, grow=(3, 3, 8))
+    seq = engine.add_request(EngineRequest("a", PROMPTS["mixed"], greedy(24), None), drafter)
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.req.output_ids == run(target, PROMPTS["mixed"], None, greedy(24)).output_ids
+    assert weighed and set(weighed) == {3}
+    drafted = [t for t in drafter.trees if t.num_nodes > 1]
+    assert drafted  # the policy granted drafts, each a chain of at most 3
+    assert all(t.parents.tolist() == list(range(t.num_nodes)) and t.num_nodes <= 3 for t in drafted)
+
+
+class Recording(EagleDrafter):
+    """Keeps every tree it proposes."""
+
+    trees: list[DraftTree]
+
+    def propose(self, req: Request, budget: int | None = None) -> Proposal:
+        proposal = super().propose(req, budget)
+        self.__dict__.setdefault("trees", []).append(proposal.tree)
+        return proposal
+
+
+class Budgeted(EagleDrafter):
+    """Proposes as the load policy makes it when it grants 2 tokens, below the tree: a chain."""
+
+    def propose(self, req: Request, budget: int | None = None) -> Proposal:
+        return super().propose(req, 2)
 
 
 def test_sampled_siblings_declare_their_conditional_distribution(target: Transformer) -> None:

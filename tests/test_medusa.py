@@ -124,6 +124,27 @@ def test_room_limits_the_tree(target: Transformer) -> None:
     assert len(req.output_ids) == 6
 
 
+def test_a_budget_below_the_tree_drafts_each_heads_top_guess(
+    target: Transformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given fewer draft tokens than its tree, the drafter chains the first heads' top guesses
+    (one token a head, as deep as its heads), and runs only the heads it uses."""
+    heads = random_heads(target)
+    best = proposal(MedusaDrafter(heads, target, [[0], [0, 0], [0, 0, 0]]), target, PROMPTS["mixed"]).tree
+    used: list[int | None] = []  # heads each call of `features` ran
+    features = heads.features
+    monkeypatch.setattr(heads, "features", lambda h, k=None: (used.append(k), features(h, k))[1])
+    for budget in (1, 2):
+        drafter = MedusaDrafter(heads, target, None)
+        assert drafter.max_chain == 3 and budget < drafter.max_nodes
+        req = Request(target, PROMPTS["mixed"], greedy(8), [], drafter.max_nodes)
+        drafter.begin(req, prefill(target, req))
+        chain = drafter.propose(req, budget).tree
+        assert chain.parents.tolist() == list(range(budget))
+        assert chain.tokens.tolist() == best.tokens.tolist()[:budget]
+        assert used[-1] == budget
+
+
 # ------------------------------------------------------------------------------------------------
 # Settings, trees, checkpoints
 

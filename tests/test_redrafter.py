@@ -40,7 +40,7 @@ from specdecode.train.features import extract
 from specdecode.train.pipeline import draft_columns, train_loop
 from specdecode.train.redrafter import TrainSettings, drafter_logits, objective, positions, top1_by_depth
 from specdecode.tree import DraftTree
-from tests.alone import exact_greedy, greedy, proposal, run, tau
+from tests.alone import exact_greedy, greedy, prefill, proposal, run, tau
 from tests.test_draft_model import sampled_check, small_target
 from tests.test_draft_model import tiny_transformer as small_transformer
 from tests.test_train import check_resume_is_exact, check_trained_run, own_continuations, run_train_command
@@ -126,6 +126,23 @@ def test_beam_width_one_is_the_drafters_greedy_chain(target: Transformer) -> Non
             last = head(context[None], state, lm).argmax(-1)
             chain.append(int(last))
     assert beams.tolist() == [chain]
+
+
+def test_a_budget_below_the_tree_searches_one_beam(target: Transformer) -> None:
+    """Given fewer draft tokens than its beams hold, the drafter searches one beam (its greedy
+    chain), no longer than a beam."""
+    head = random_head(target)
+    best = proposal(ReDrafter(head, target, 1, 4), target, PROMPTS["mixed"]).tree  # 3 tokens
+    assert best.parents.tolist() == [0, 1, 2]
+    for budget in (1, 2, 3, 5):
+        drafter = ReDrafter(head, target, 3, 4)
+        assert drafter.max_chain == 3 and budget < drafter.max_nodes
+        req = Request(target, PROMPTS["mixed"], greedy(8), [], drafter.max_nodes)
+        drafter.begin(req, prefill(target, req))
+        chain = drafter.propose(req, budget).tree
+        n = min(budget, 3)
+        assert chain.parents.tolist() == list(range(n))
+        assert chain.tokens.tolist() == best.tokens.tolist()[:n]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -35,6 +35,15 @@ class Drafter(ABC):
     # deliberately lossy opt-in does so (Medusa's typical acceptance); greedy is always exact.
     sampling_verifier: SamplingVerifier | None = None
 
+    @property
+    def max_chain(self) -> int:
+        """The most draft tokens a budgeted step proposes. A tree drafter given a budget below its
+        whole tree drafts its best chain, as deep as its tree (`propose`), so a budget of d tokens
+        means depths 1..d: what the load policy's per-depth acceptance rates describe. (Granted
+        as the first nodes of a tree, the d-th token was often a sibling at depth 1, worth a
+        fraction of what depth d is: the policy over-stated trees' gains and they lost.)"""
+        return self.max_nodes
+
     def begin(self, req: Request, prompt_hidden: torch.Tensor) -> None:  # noqa: B027
         """Called once after prefill; `prompt_hidden` (P-1, C) holds the target's rows of prompt
         positions 0 .. P-2 (see the module's prefill contract)."""
@@ -44,8 +53,9 @@ class Drafter(ABC):
         """A draft continuing `req.all_ids` (whose last token is the root, not yet verified).
         `budget`: the most draft tokens (nodes + side tokens) the step will verify (None: no
         limit but the request's room); a drafter whose work grows with its draft (a draft
-        model's forwards, a head's depths) does only what that many tokens need. The engine
-        trims what is proposed to the budget either way."""
+        model's forwards, a head's depths) does only what that many tokens need. A tree drafter
+        drafts a chain of at most `max_chain` tokens when the budget is below `max_nodes`. The
+        engine trims what is proposed to the budget either way."""
 
     def observe(self, req: Request, result: StepResult) -> None:  # noqa: B027
         """Learn from the step's outcome; `req.all_ids` already includes the emitted tokens."""

@@ -550,11 +550,31 @@ class EagleDrafter(Drafter):
         decided = self.cache.length
         growth = _Growth(self, req)
         try:
-            keep = self._grow_static(growth, room) if self.grow is None else self._grow_dynamic(growth, room)
+            if budget is not None and budget < self.max_nodes:
+                keep = self._grow_chain(growth, min(room, self.max_chain))
+            elif self.grow is None:
+                keep = self._grow_static(growth, room)
+            else:
+                keep = self._grow_dynamic(growth, room)
         finally:
             self.cache.truncate(decided)  # the tree's pairs are guesses: forget them
         keep = sorted(keep, key=lambda i: (growth.nodes[i].depth, i))[:room]  # a prefix is a tree
         return Proposal(growth.tree(keep))
+
+    @property
+    def max_chain(self) -> int:
+        """The tree's depth: a budgeted step drafts a chain at most this deep (`_grow_chain`)."""
+        return self.grow[0] if self.grow is not None else max((len(p) for p in self.paths), default=1)
+
+    def _grow_chain(self, growth: _Growth, depth: int) -> list[int]:
+        """The best chain of `depth` tokens (a budget below the whole tree): the top candidate of
+        each depth (for sampled requests one draw), one head forward a depth past the first."""
+        frontier = growth.children([-1], growth.root_distribution()[None], 1)[0]
+        for _ in range(depth - 1):
+            if not frontier:
+                break
+            frontier = growth.children(frontier, growth.expand(frontier), 1)[0]
+        return list(range(len(growth.nodes)))
 
     def _grow_static(self, growth: _Growth, room: int) -> list[int]:
         """EAGLE-1: the declared paths level by level, one head forward per depth over the nodes

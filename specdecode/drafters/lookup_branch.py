@@ -40,6 +40,10 @@ class LookupBranch(Drafter):
         self.sampling_verifier = inner.sampling_verifier
         self.grafted = 0  # steps whose tree got lookup nodes (the tests check the branch ran)
 
+    @property
+    def max_chain(self) -> int:
+        return self.inner.max_chain
+
     def begin(self, req: Request, prompt_hidden: torch.Tensor) -> None:
         self.lookup.begin(req, prompt_hidden)
         self.inner.begin(req, prompt_hidden)

@@ -315,6 +315,11 @@ class MedusaDrafter(LastRowDrafter):
             )
         self.hidden: Tensor | None = None  # (C,) the row whose target output is the current root
 
+    @property
+    def max_chain(self) -> int:
+        """One token a head: a budgeted step drafts each head's top guess as a chain."""
+        return max(self.num_heads_used, 1)
+
     @torch.inference_mode()
     def propose(self, req: Request, budget: int | None = None) -> Proposal:
         if self.num_heads_used == 0:
@@ -324,13 +329,17 @@ class MedusaDrafter(LastRowDrafter):
         room = req.max_len - len(req.all_ids)  # draft nodes the request's cache still holds
         if budget is not None:
             room = min(room, budget)
+        chain = budget is not None and budget < self.max_nodes  # each head's top guess, in a chain
+        used = min(room, self.num_heads_used) if chain else self.num_heads_used  # D heads
         if self.heads.lm_heads is None:
             # The target's head, through its bfloat16 copy where it has one (half the bytes of
             # the largest matrix, per head): a draft only picks candidates, the verifier decides.
-            feats = self.heads.features(self.hidden, self.num_heads_used)  # (D, C)
+            feats = self.heads.features(self.hidden, used)  # (D, C)
             logits = self.target.approx_logits(feats)  # (D, V)
         else:
-            logits = self.heads(self.hidden, None, self.num_heads_used)  # (D, V)
+            logits = self.heads(self.hidden, None, used)  # (D, V)
+        if chain:
+            return Proposal(DraftTree.chain(logits.argmax(dim=-1)))
         top = logits.topk(self.width, dim=-1).indices  # (D, W)
         device = top.device
         tokens = top[self.node_head.to(device), self.node_rank.to(device)]  # (N,)

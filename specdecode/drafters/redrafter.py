@@ -375,6 +375,11 @@ class ReDrafter(LastRowDrafter):
         self.max_nodes = beam_width * self.depth
         self.hidden: Tensor | None = None  # (C,) the row whose target output is the current root
 
+    @property
+    def max_chain(self) -> int:
+        """A beam's length: a budgeted step searches one beam."""
+        return self.depth
+
     def propose(self, req: Request, budget: int | None = None) -> Proposal:
         if (opening := opening_proposal(req, self.hidden is not None)) is not None:
             return opening
@@ -383,13 +388,14 @@ class ReDrafter(LastRowDrafter):
             room = min(room, budget)
         if room <= 0:
             return Proposal(DraftTree.empty())
+        chain = budget is not None and budget < self.max_nodes  # one beam: the best chain
         beams, _ = beam_search(
             self.head,
             self.hidden,
             req.root,
             self.target.embed,
             self.head.draft_head(self.target) if self.head.lm_head is None else None,
-            self.width,
+            1 if chain else self.width,
             min(self.depth, room),  # one step a depth: none past what the budget verifies
         )
         tokens, parents = merge_beams(beams.tolist())

@@ -418,7 +418,8 @@ class LLMEngine:
         base_tokens += sum(k for k in fixed if k is not None)
         candidates = []
         for seq in [s for s, k in zip(decoding, fixed, strict=True) if k is None]:
-            depth = seq.max_step - 1
+            assert seq.drafter is not None
+            depth = min(seq.max_step - 1, seq.drafter.max_chain)  # a tree drafter's chain, budgeted
             stats = seq.req.stats
             rates = accept_rates(
                 stats.reached_by_position,

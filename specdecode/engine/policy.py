@@ -19,7 +19,9 @@ The policy maximises the batch's expected tokens per second under two measured m
   counts, shrunk towards its method's engine-wide rates, which start from an optimistic 0.8),
   each taken at an upper confidence bound (`accept_rates`). A method the policy never let draft
   could never show what it is worth, so it starts out drafting, a few unlucky drafts do not stop
-  it while its counts are few, and the counts decide. p_d never increases with d.
+  it while its counts are few, and the counts decide. p_d never increases with d. A tree
+  drafter is weighed as its chain (`Drafter.max_chain`): granted fewer tokens than its tree
+  holds, it drafts its top path, so its d-th token is at depth d, as p_d assumes.
 
 Every request emits one token per step whatever its draft, so with draft budgets k_i the
 expected tokens are `n + sum_i sum_{d<k_i} p_{i,d}`. Gains fall with depth, so the best
