@@ -16,16 +16,17 @@ import pytest
 import torch
 
 from specdecode.cli import build_parser, speculative_settings
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, Proposal
 from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.lookup_branch import LookupBranch
 from specdecode.drafters.medusa import MedusaDrafter
 from specdecode.drafters.redrafter import ReDrafter
 from specdecode.errors import SpecDecodeError
 from specdecode.models.transformer import Transformer
+from specdecode.request import Request
 from specdecode.spec_config import DEFAULT_LOOKUP_TOKENS, Eagle2Config, MedusaConfig, parse_speculative
 from specdecode.tree import DraftTree
-from tests.alone import alone, greedy, run
+from tests.alone import alone, greedy, prefill, run
 from tests.test_draft_model import sampled_check, small_target
 from tests.test_eagle import oracle, random_head
 from tests.test_medusa import random_heads
@@ -222,3 +223,29 @@ def test_cli_flags_reach_the_trained_methods() -> None:
     )
     spec = parse_speculative(speculative_settings(args))
     assert isinstance(spec, Eagle2Config) and spec.prompt_lookup_num_tokens == 0
+
+
+def test_a_budget_below_the_tree_takes_the_lookup_chain_first(target: Transformer) -> None:
+    """Granted fewer tokens than its tree holds (a chain, see `Drafter.max_chain`), the branch
+    proposes the lookup's continuation where the text has one, without its drafter's forwards,
+    else its drafter's chain."""
+    asked: list[int | None] = []
+
+    class Counting(EagleDrafter):
+        def propose(self, req: Request, budget: int | None = None) -> Proposal:
+            asked.append(budget)
+            return super().propose(req, budget)
+
+    head = random_head(target)
+    for prompt, lookup in (([10, 11, 12, 13, 14, 15] * 5, [10, 11]), ([50, 51, 52, 53], None)):
+        branch = LookupBranch(Counting(head, target, grow=(3, 3, 8)), 4)
+        assert branch.max_chain == 3
+        req = Request(target, prompt, greedy(8), [], branch.max_nodes)
+        branch.begin(req, prefill(target, req))
+        asked.clear()
+        tree = branch.propose(req, 2)
+        assert tree.tree.parents.tolist() == [0, 1]
+        if lookup is not None:
+            assert tree.tree.tokens.tolist() == lookup and asked == []
+        else:
+            assert asked == [2]  # the drafter's own chain

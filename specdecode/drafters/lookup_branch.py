@@ -9,6 +9,12 @@ the path agrees with the tree it reuses its nodes; the rest is new nodes, tried 
 drafter's own siblings. The verifier decides as for any tree, so output is unchanged, greedy or
 sampled (the new nodes are point masses).
 
+Granted fewer tokens than the tree holds (the load policy weighs a tree drafter as its chain,
+`Drafter.max_chain`), the branch proposes one chain: the lookup's continuation where the text
+has one, which costs nothing, else the drafter's own (in alternating A/B runs on 12 Spec-Bench
+prompts, SmolLM2, AVX-512: EAGLE-2 1.03x plain against 0.98x with the head's chain alone,
+ReDrafter 1.05x against 0.97x).
+
 The wrapped drafter sees the step's outcome as usual; every trained drafter reads only the
 accepted path's tokens and target features, whichever branch proposed them.
 """
@@ -22,6 +28,7 @@ import torch
 from specdecode.drafters.base import Drafter, Proposal, StepResult
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.spec_config import PromptLookupConfig
+from specdecode.tree import DraftTree
 
 if TYPE_CHECKING:
     from specdecode.request import Request
@@ -49,6 +56,10 @@ class LookupBranch(Drafter):
         self.inner.begin(req, prompt_hidden)
 
     def propose(self, req: Request, budget: int | None = None) -> Proposal:
+        if budget is not None and budget < self.inner.max_nodes:  # a chain: lookup's, else inner's
+            chain = self.lookup.lookup(req.all_ids, min(budget, req.max_len - len(req.all_ids)))
+            if chain:
+                return Proposal(DraftTree.chain(chain))
         proposal = self.inner.propose(req, budget)
         if proposal.num_side:
             raise AssertionError("a lookup branch needs a drafter without side tokens")
