@@ -193,6 +193,23 @@ def test_drafter_proposes_pool_candidates_of_the_root(tiny: Transformer) -> None
     assert not proposal.side_mask[:, 1:4].any()  # side tokens never see the verification branch
 
 
+def test_a_budget_below_the_proposal_verifies_the_newest_ngram_alone(tiny: Transformer) -> None:
+    """Granted fewer tokens than its whole proposal (the load policy weighs it as a chain of
+    N-1, `max_chain`), the drafter verifies the pool's newest n-gram of the root, without the
+    window: its rows add no accepted token to the step that runs them."""
+    drafter = LookaheadDrafter(LookaheadConfig(3, 3, 2), context_ngrams=True)
+    assert drafter.max_chain == 2 and drafter.max_nodes > 2
+    req = Request(tiny, [1, 10, 11, 12, 10, 11, 13, 10], _greedy(8), [2], max_draft=drafter.max_nodes)
+    prefill(tiny, req)
+    drafter.begin(req, None)
+    for budget, tokens in ((1, [11]), (2, [11, 13]), (4, [11, 13])):
+        proposal = drafter.propose(req, budget)
+        assert proposal.tree.tokens.tolist() == tokens
+        assert proposal.tree.parents.tolist() == list(range(len(tokens)))
+        assert proposal.num_side == 0
+    assert drafter.propose(req).num_side == 5  # the whole proposal still runs the window
+
+
 # ------------------------------------------------------------------------------------------------
 # Window mask
 

@@ -16,6 +16,14 @@ adds W(N-1) - 1 side tokens; with the G(N-1) draft nodes that is exactly TensorR
 `max_draft_len(W, N, G) = (N-2) + (W-1+G)(N-1)`, and a step never runs more than
 `1 + max_draft_len` new tokens.
 
+Under the load policy (a budget below the whole proposal) a step verifies only the pool's newest
+n-gram of the root, N-1 tokens at most, and runs no window: the window's rows add no accepted
+token to the step that runs them, so a policy that weighs each row by what it adds would pay for
+them and never see the return (lookahead lost 4-6% to plain that way on a 2-core CPU; as chains
+it gained 6%, alternating A/B runs on 12 Spec-Bench prompts, SmolLM2, AVX-512). The pool then
+grows from the context's n-grams (`context_ngrams`); the whole method, window and all, runs with
+the policy off (`speculation_policy=False`, `--no-policy`).
+
 Mask (who a side token attends to, besides the cached prefix): cell (l, j) sees the level-0 cells
 (0, 0..j) and its own column above level 0, (1, j) .. (l, j). Its context is therefore one
 guessed sentence with one token at every offset 0..l+j: level 0 is the current Jacobi guess of the
@@ -182,6 +190,12 @@ class LookaheadDrafter(Drafter):
         self._ingested = 0  # prefix length of req.all_ids whose n-grams are in the pool
         self._step_has_window = False
 
+    @property
+    def max_chain(self) -> int:
+        """A budgeted step verifies one n-gram of the pool, N-1 tokens, without the window (its
+        rows only feed the pool: they add no accepted token to the step that runs them)."""
+        return self.levels
+
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def begin(self, req: Request, prompt_hidden: torch.Tensor) -> None:
@@ -203,6 +217,11 @@ class LookaheadDrafter(Drafter):
         if self.context_ngrams:
             self._ingest(ids)
         root = req.root
+        if budget is not None and budget < self.max_nodes:  # the pool's newest n-gram, no window
+            self._step_has_window = False
+            best = self.pool.get(root)[:1]
+            room = min(budget, req.max_len - req.cache.length - 1)
+            return Proposal(ngram_tree([best[0][:room]] if best and room > 0 else []))
         tree = ngram_tree(self.pool.get(root)[: self.g])
         # Never outgrow the request's cache (only possible near the model's context limit).
         room = req.max_len - req.cache.length - 1
