@@ -335,9 +335,12 @@ def test_an_eagle_head_runs_its_layer_in_one_call(quant_gguf: Path, tmp_path: Pa
     path = save_head(EagleHead(target.config), tmp_path / "eagle", target="tiny", dtype=torch.float32)
     head = llm.drafters.head("eagle", str(path))
     assert not head.input_norm
-    one_call = head._one_call()
-    assert one_call is not None
-    decoder, prepared = one_call
+    kernels, c = head.layer.kernels, target.config.hidden_size
+    with torch.inference_mode():  # lays the layer out for the one-call decoder
+        zero = torch.zeros(1, c)
+        head.run(head.new_cache(4, torch.float32, "cpu"), zero, zero, torch.arange(1))
+    assert head.one_call.kernels is kernels and head.one_call.decoder is not None
+    decoder, prepared = head.one_call.decoder
     calls: list[int] = []  # rows of each one-call forward
 
     class Counting:  # the decoder, counting its calls
@@ -345,7 +348,6 @@ def test_an_eagle_head_runs_its_layer_in_one_call(quant_gguf: Path, tmp_path: Pa
             calls.append(args[1].shape[0])
             return decoder.run(*args)
 
-    c = target.config.hidden_size
     tokens = torch.tensor([200, 5, 17, 31, 8, 4, 7, 9])
     features = torch.randn(8, c)
 
@@ -360,14 +362,13 @@ def test_an_eagle_head_runs_its_layer_in_one_call(quant_gguf: Path, tmp_path: Pa
             tree = head.run(cache, embeds[5:], features[5:], torch.full((3,), 5), mask)
         return [prompt, tree]
 
-    kernels = head.layer.kernels
     try:
-        head._decoder = (kernels, (Counting(), prepared))  # type: ignore[assignment]
+        head.one_call.decoder = (Counting(), prepared)  # type: ignore[assignment]
         fused = outputs()
-        head._decoder = (kernels, None)  # the layer op by op
+        head.one_call.decoder = None  # the layer op by op
         by_layer = outputs()
     finally:
-        head._decoder = None
+        head.one_call.decoder = (decoder, prepared)
     assert calls == [5, 3]
     for a, b in zip(fused, by_layer, strict=True):
         assert torch.equal(a, b)

@@ -162,6 +162,30 @@ def run_in_one_call(
     return flat[None]
 
 
+class OneCallLayers:
+    """Layers run by their kernels' one-call decoder where it takes them (`run_in_one_call`):
+    laid out when first run and again whenever their kernels change (for a module that runs
+    layers of its own, as EAGLE's head does)."""
+
+    def __init__(self, layers: Sequence[Block]) -> None:
+        self.layers = list(layers)
+        self.kernels: Kernels | None = None
+        self.decoder: tuple[DecoderRows, object] | None = None
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # (1, T, C), overwritten
+        cos: torch.Tensor,  # (1, 1, T, D)
+        sin: torch.Tensor,  # (1, 1, T, D)
+        plan: AttentionPlan,
+    ) -> torch.Tensor | None:
+        """The layers' output (1, T, C) from one call, or None: call them one by one."""
+        kernels = self.layers[0].kernels
+        if kernels is not self.kernels:
+            self.kernels, self.decoder = kernels, prepare_one_call(self.layers, kernels)
+        return run_in_one_call(self.decoder, kernels, len(self.layers), x, cos, sin, plan)
+
+
 def _bias(dense: Dense) -> torch.Tensor | None:
     return None if dense.bias is None else dense.bias.detach()
 
