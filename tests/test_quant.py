@@ -243,9 +243,9 @@ def test_the_whole_decoder_in_one_call_gives_the_layers_bits(quant_gguf: Path) -
 
     llm = LLM(str(quant_gguf), progress=False)
     model = llm.model
-    if model._decoder is None:
+    if model.one_call.decoder is None:
         pytest.skip("no quantized kernels here (no C++ compiler, or SPECDECODE_CPU_ISA=off)")
-    decoder, prepared = model._decoder
+    decoder, prepared = model.one_call.decoder
     calls: list[tuple[int, int]] = []  # (rows, prefill_from) of each one-call forward
 
     class Counting:  # the decoder, counting its calls
@@ -281,12 +281,12 @@ def test_the_whole_decoder_in_one_call_gives_the_layers_bits(quant_gguf: Path) -
         return out
 
     try:
-        model._decoder = (Counting(), prepared)  # type: ignore[assignment]
+        model.one_call.decoder = (Counting(), prepared)  # type: ignore[assignment]
         fused, fused_tokens = forwards(), engine_tokens()
-        model._decoder = None
+        model.one_call.decoder = None
         by_layer, layer_tokens = forwards(), engine_tokens()
     finally:
-        model._decoder = (decoder, prepared)
+        model.one_call.decoder = (decoder, prepared)
     assert calls[:3] == [(8, 8), (3, 3), (4, 4)]  # each forward above ran as one call
     assert any(0 < p < rows for rows, p in calls[3:])  # decoding rows beside prefill rows
     for a, b in zip(fused, by_layer, strict=True):
@@ -329,7 +329,7 @@ def test_an_eagle_head_runs_its_layer_in_one_call(quant_gguf: Path, tmp_path: Pa
 
     llm = LLM(str(quant_gguf), progress=False)
     target = llm.model
-    if target._decoder is None:
+    if target.one_call.decoder is None:
         pytest.skip("no quantized kernels here (no C++ compiler, or SPECDECODE_CPU_ISA=off)")
     torch.manual_seed(0)
     path = save_head(EagleHead(target.config), tmp_path / "eagle", target="tiny", dtype=torch.float32)

@@ -44,6 +44,11 @@ class Drafter(ABC):
         fraction of what depth d is: the policy over-stated trees' gains and they lost.)"""
         return self.max_nodes
 
+    def chains(self, budget: int | None) -> bool:
+        """Whether a step granted `budget` draft tokens drafts a chain: a budget below the whole
+        proposal (see `max_chain`)."""
+        return budget is not None and budget < self.max_nodes
+
     def begin(self, req: Request, prompt_hidden: torch.Tensor) -> None:  # noqa: B027
         """Called once after prefill; `prompt_hidden` (P-1, C) holds the target's rows of prompt
         positions 0 .. P-2 (see the module's prefill contract)."""

@@ -541,7 +541,7 @@ class EagleDrafter(Drafter):
         decided = self.cache.length
         growth = _Growth(self, req)
         try:
-            if budget is not None and budget < self.max_nodes:
+            if self.chains(budget):
                 keep = self._grow_chain(growth, min(room, self.max_chain))
             elif self.grow is None:
                 keep = self._grow_static(growth, room)

@@ -217,7 +217,7 @@ class LookaheadDrafter(Drafter):
         if self.context_ngrams:
             self._ingest(ids)
         root = req.root
-        if budget is not None and budget < self.max_nodes:  # the pool's newest n-gram, no window
+        if self.chains(budget):  # the pool's newest n-gram, no window
             self._step_has_window = False
             best = self.pool.get(root)[:1]
             room = min(budget, req.max_len - req.cache.length - 1)

@@ -56,7 +56,7 @@ class LookupBranch(Drafter):
         self.inner.begin(req, prompt_hidden)
 
     def propose(self, req: Request, budget: int | None = None) -> Proposal:
-        if budget is not None and budget < self.inner.max_nodes:  # a chain: lookup's, else inner's
+        if self.inner.chains(budget):  # a chain: lookup's, else inner's
             chain = self.lookup.lookup(req.all_ids, min(budget, req.max_len - len(req.all_ids)))
             if chain:
                 return Proposal(DraftTree.chain(chain))

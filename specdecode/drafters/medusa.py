@@ -329,7 +329,7 @@ class MedusaDrafter(LastRowDrafter):
         room = req.max_len - len(req.all_ids)  # draft nodes the request's cache still holds
         if budget is not None:
             room = min(room, budget)
-        chain = budget is not None and budget < self.max_nodes  # each head's top guess, in a chain
+        chain = self.chains(budget)  # each head's top guess, in a chain
         used = min(room, self.num_heads_used) if chain else self.num_heads_used  # D heads
         if self.heads.lm_heads is None:
             # The target's head, through its bfloat16 copy where it has one (half the bytes of

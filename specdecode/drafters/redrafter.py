@@ -388,7 +388,7 @@ class ReDrafter(LastRowDrafter):
             room = min(room, budget)
         if room <= 0:
             return Proposal(DraftTree.empty())
-        chain = budget is not None and budget < self.max_nodes  # one beam: the best chain
+        chain = self.chains(budget)  # one beam: the best chain
         beams, _ = beam_search(
             self.head,
             self.hidden,

@@ -127,63 +127,51 @@ class Block(nn.Module):
         )  # fmt: skip
 
 
-def prepare_one_call(layers: Sequence[Block], kernels: Kernels) -> tuple[DecoderRows, object] | None:
-    """`layers` laid out for `kernels`' one-call decoder, where it takes them all (else None)."""
-    weights = [layer.weights() for layer in layers]
-    if kernels.decoder is None or not weights or any(w is None for w in weights):
-        return None
-    prepared = kernels.decoder.prepare(weights)  # type: ignore[arg-type]
-    return None if prepared is None else (kernels.decoder, prepared)
-
-
-def run_in_one_call(
-    decoder: tuple[DecoderRows, object] | None,
-    kernels: Kernels,
-    num_layers: int,
-    x: torch.Tensor,  # (1, T, C) the first layer's input, a scratch tensor: overwritten
-    cos: torch.Tensor,  # (1, 1, T, D)
-    sin: torch.Tensor,  # (1, 1, T, D)
-    plan: AttentionPlan,
-) -> torch.Tensor | None:
-    """The layers' output (1, T, C) from one kernel call, the same bits as calling them one by
-    one, where every row goes through the row attention (else None: call the layers)."""
-    if decoder is None or torch.is_grad_enabled() or x.shape[0] != 1:
-        return None
-    rows = plan.kernel_rows(kernels, cos.shape[-1], x.dtype, x.device)
-    if rows is None:
-        return None
-    flat = x[0].contiguous()  # (T, C): overwritten (x too, where it is contiguous)
-    caches = [rows.cache.layer_slots(i) for i in range(num_layers)]
-    run, prepared = decoder
-    run.run(
-        prepared, flat, caches, rows.rows, rows.new_slots, rows.row_ptr, rows.idx, cos[0, 0], sin[0, 0],
-        prefill_rows(flat.shape[0], plan.prefill_from),
-    )  # fmt: skip
-    return flat[None]
-
-
 class OneCallLayers:
-    """Layers run by their kernels' one-call decoder where it takes them (`run_in_one_call`):
-    laid out when first run and again whenever their kernels change (for a module that runs
-    layers of its own, as EAGLE's head does)."""
+    """Layers run by their kernels' one-call decoder (`Kernels.decoder`) where it takes them all:
+    the same bits as calling them one by one, without the Python between them. Laid out by
+    `bind`, and again when first run with other kernels (a module that binds its layers through
+    `layers.bind_kernels`, as EAGLE's head does, never calls `bind` itself)."""
 
     def __init__(self, layers: Sequence[Block]) -> None:
         self.layers = list(layers)
         self.kernels: Kernels | None = None
-        self.decoder: tuple[DecoderRows, object] | None = None
+        self.decoder: tuple[DecoderRows, object] | None = None  # None: the layers one by one
+
+    def bind(self, kernels: Kernels) -> None:
+        """Lay the layers out for `kernels`' decoder, where it takes every one of them."""
+        self.kernels, self.decoder = kernels, None
+        weights = [layer.weights() for layer in self.layers]
+        if kernels.decoder is not None and weights and all(w is not None for w in weights):
+            prepared = kernels.decoder.prepare(weights)  # type: ignore[arg-type]
+            if prepared is not None:
+                self.decoder = kernels.decoder, prepared
 
     def __call__(
         self,
-        x: torch.Tensor,  # (1, T, C), overwritten
+        x: torch.Tensor,  # (1, T, C) the first layer's input, a scratch tensor: overwritten
         cos: torch.Tensor,  # (1, 1, T, D)
         sin: torch.Tensor,  # (1, 1, T, D)
         plan: AttentionPlan,
     ) -> torch.Tensor | None:
-        """The layers' output (1, T, C) from one call, or None: call them one by one."""
+        """The layers' output (1, T, C) from one kernel call, where every row goes through the
+        row attention; else None (call the layers)."""
         kernels = self.layers[0].kernels
         if kernels is not self.kernels:
-            self.kernels, self.decoder = kernels, prepare_one_call(self.layers, kernels)
-        return run_in_one_call(self.decoder, kernels, len(self.layers), x, cos, sin, plan)
+            self.bind(kernels)
+        if self.decoder is None or torch.is_grad_enabled() or x.shape[0] != 1:
+            return None
+        rows = plan.kernel_rows(kernels, cos.shape[-1], x.dtype, x.device)
+        if rows is None:
+            return None
+        flat = x[0].contiguous()  # (T, C): overwritten (x too, where it is contiguous)
+        caches = [rows.cache.layer_slots(i) for i in range(len(self.layers))]
+        run, prepared = self.decoder
+        run.run(
+            prepared, flat, caches, rows.rows, rows.new_slots, rows.row_ptr, rows.idx, cos[0, 0],
+            sin[0, 0], prefill_rows(flat.shape[0], plan.prefill_from),
+        )  # fmt: skip
+        return flat[None]
 
 
 def _bias(dense: Dense) -> torch.Tensor | None:
@@ -202,9 +190,9 @@ class Transformer(nn.Module):
         self.rotary = Rotary(config)
         self.head = LMHead(self.embed, self.lm_head)  # reads the LM head (not a module of its own)
         self.kernels = REFERENCE
-        # Every layer in one kernel call (`Kernels.decoder`), where the layers allow: set by
-        # `bind_kernels`, used by `forward_plan` when every row goes through the row attention.
-        self._decoder: tuple[DecoderRows, object] | None = None
+        # Every layer in one kernel call, where the layers allow: laid out by `bind_kernels`,
+        # used by `forward_plan` when every row goes through the row attention.
+        self.one_call = OneCallLayers(self.layers)
 
     @property
     def device(self) -> torch.device:
@@ -250,7 +238,7 @@ class Transformer(nn.Module):
         caller commits the plan). Returns hidden states (B, T, C)."""
         cos, sin = self.rotary(positions, self.dtype)
         x = self.embed(input_ids)
-        one_call = run_in_one_call(self._decoder, self.kernels, len(self.layers), x, cos, sin, plan)
+        one_call = self.one_call(x, cos, sin, plan)
         if one_call is not None:
             return self.norm(one_call)
         for layer in self.layers:
@@ -442,7 +430,7 @@ class Transformer(nn.Module):
         self.kernels = kernels or select(self.device)
         for layer in self.layers:
             bind_kernels(layer, self.kernels)
-        self._decoder = prepare_one_call(list(self.layers), self.kernels)
+        self.one_call.bind(self.kernels)
         self.norm.bind_kernels(self.kernels)
         if self.lm_head is not None:
             self.lm_head.bind_kernels(self.kernels, pack=False)
