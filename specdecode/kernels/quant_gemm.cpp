@@ -47,6 +47,16 @@ struct VI {
 inline VI u8_lanes(const uint8_t* p) { return {_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
 inline VI i8_lanes(const uint8_t* p) { return {_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
 inline VI u32_lanes(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+// 16 lanes of three bytes each (48 bytes, little-endian), zero-extended: read as the 64 bytes
+// ending with them (a masked load of the 48 alone took longer than the whole decoding), so the 16
+// before them must be readable (Q6_K_'s are its scales or the step pair before), each 128-bit
+// lane given its four lanes' 12 bytes, then spread.
+inline VI u24_lanes(const uint8_t* p) {
+    const __m512i v = _mm512_loadu_si512(p - 16);
+    const __m512i words = _mm512_permutexvar_epi32(_mm512_setr_epi32(4, 5, 6, 0, 7, 8, 9, 0, 10, 11, 12, 0, 13, 14, 15, 0), v);
+    const __m512i spread = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1));
+    return {_mm512_shuffle_epi8(words, spread)};
+}
 inline VI and_(VI a, int m) { return {_mm512_and_si512(a.v, _mm512_set1_epi32(m))}; }
 inline VI or_(VI a, VI b) { return {_mm512_or_si512(a.v, b.v)}; }
 inline VI shr(VI a, int n) { return {_mm512_srli_epi32(a.v, n)}; }
@@ -65,6 +75,18 @@ inline VI i8_lanes(const uint8_t* p) { return {_mm256_cvtepi8_epi32(load8(p)), _
 inline VI u32_lanes(const uint8_t* p) {
     return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+// 16 lanes of three bytes each (48 bytes, little-endian), zero-extended: four 16-byte loads, none
+// past the 48 bytes (the last from byte 32, its lanes' bytes at 4..15), spread per 128-bit lane.
+inline VI u24_lanes(const uint8_t* p) {
+    const __m256i a = _mm256_inserti128_si256(_mm256_castsi128_si256(load16(p)), load16(p + 12), 1);
+    const __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(load16(p + 24)), load16(p + 32), 1);
+    const __m256i first = _mm256_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1,  //
+                                           0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
+    const __m256i last = _mm256_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1,  //
+                                          4, 5, 6, -1, 7, 8, 9, -1, 10, 11, 12, -1, 13, 14, 15, -1);
+    return {_mm256_shuffle_epi8(a, first), _mm256_shuffle_epi8(b, last)};
 }
 inline VI and_(VI a, int m) {
     const __m256i k = _mm256_set1_epi32(m);
@@ -95,6 +117,11 @@ inline VI i8_lanes(const uint8_t* p) {
 inline VI u32_lanes(const uint8_t* p) {
     VI r;
     std::memcpy(r.i, p, sizeof(r.i));
+    return r;
+}
+inline VI u24_lanes(const uint8_t* p) {  // 16 lanes of three bytes each, little-endian
+    VI r;
+    for (int j = 0; j < 16; ++j) r.i[j] = p[3 * j] | p[3 * j + 1] << 8 | p[3 * j + 2] << 16;
     return r;
 }
 inline VI and_(VI a, int m) {
@@ -303,11 +330,12 @@ struct Q4_K_ : Uniform {
     static void quants(const Group& g, int j, V& lo, V& hi) { nibbles(g.q + 16 * j, lo, hi); }
 };
 
-// d (16 x fp16); per group of 32: int8 scales of its two halves (16 + 16 bytes), low nibble
-// pairs (256 bytes), then the top two bits: 8 rows of 16 bytes, row i holding weights i, i + 16,
-// i + 8, i + 24 in bit pairs 0, 1, 2, 3.
+// d (16 x fp16); per group of 32: int8 scales of its two halves (16 + 16 bytes: what the AVX-512
+// build reads before a group's first step pair), then 8 step pairs of 48 bytes: output c's three bytes at 3c hold its quants of steps 2i and 2i + 1, each
+// lo then hi, 6 bits apiece from bit 0. (Kept as GGUF splits them, 4 low bits and 2 high, a step
+// took 13 integer operations to put together, more than its multiply-adds at 4 rows.)
 struct Q6_K_ {
-    static constexpr int weights = 256, bytes = 210, group_bytes = 32 + 256 + 128, packed = 32 + 8 * group_bytes;
+    static constexpr int weights = 256, bytes = 210, group_bytes = 32 + 384, packed = 32 + 8 * group_bytes;
     static constexpr bool uniform = false;  // each half of a group has its own scale
     using Group = lanes_group;
     static void pack(const uint8_t* const* src, uint8_t* dst) {
@@ -329,10 +357,10 @@ struct Q6_K_ {
                 const int* w = q + 32 * g;
                 o[c] = b[192 + 2 * g];
                 o[16 + c] = b[192 + 2 * g + 1];
-                for (int j = 0; j < 16; ++j) o[32 + 16 * j + c] = uint8_t((w[j] & 0xf) | (w[j + 16] & 0xf) << 4);
-                for (int i = 0; i < 8; ++i)
-                    o[288 + 16 * i + c] =
-                        uint8_t(w[i] >> 4 | (w[i + 16] >> 4) << 2 | (w[i + 8] >> 4) << 4 | (w[i + 24] >> 4) << 6);
+                for (int i = 0; i < 8; ++i) {
+                    const uint32_t v = uint32_t(w[2 * i] | w[2 * i + 16] << 6 | w[2 * i + 1] << 12 | w[2 * i + 17] << 18);
+                    for (int k = 0; k < 3; ++k) o[32 + 48 * i + 3 * c + k] = uint8_t(v >> (8 * k));
+                }
             }
         }
     }
@@ -343,11 +371,16 @@ struct Q6_K_ {
         const V a_lo = mul(d, to_float(i8_lanes(o))), a_hi = mul(d, to_float(i8_lanes(o + 16)));
         return {a_lo, a_hi, mul(a_lo, set1(-32.0f)), mul(a_hi, set1(-32.0f)), o + 32};
     }
+    // (the loops run j as a constant: a pair's bytes are loaded and spread once for both steps)
     static void quants(const Group& g, int j, V& lo, V& hi) {
-        const VI v = u8_lanes(g.q + 16 * j);
-        const VI top = shr(u8_lanes(g.q + 256 + 16 * (j & 7)), j < 8 ? 0 : 4);
-        lo = to_float(or_(and_(v, 15), shl(and_(top, 3), 4)));
-        hi = to_float(or_(shr(v, 4), shl(and_(shr(top, 2), 3), 4)));
+        const VI v = u24_lanes(g.q + 48 * (j / 2));
+        if (j % 2 == 0) {
+            lo = to_float(and_(v, 63));
+            hi = to_float(and_(shr(v, 6), 63));
+        } else {
+            lo = to_float(and_(shr(v, 12), 63));
+            hi = to_float(shr(v, 18));
+        }
     }
 };
 
