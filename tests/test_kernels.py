@@ -124,20 +124,21 @@ def test_bf16_dense_tiles_for_few_rows_and_untiles_for_many() -> None:
         torch.testing.assert_close(dense(x), want, rtol=2e-2, atol=2e-2)
 
 
-def _attention_case(d: int, seed: int) -> dict:
-    """A paged layer (slots shuffled) holding two sequences' prefixes, and a batch of new rows:
-    sequence A decodes one token, sequence B verifies a 4-node tree."""
+def _attention_case(d: int, seed: int, a: int = 19, b: int = 16) -> dict:
+    """A paged layer (slots shuffled) holding two sequences' prefixes (a and b positions), and a
+    batch of new rows: sequence A decodes one token, sequence B verifies a 4-node tree. Rows of
+    more than 64 slots are attended in spans, merged after."""
     gen = torch.Generator().manual_seed(seed)
-    h, hkv, slots = 6, 2, 64
+    h, hkv, slots = 6, 2, a + b + 28
     perm = torch.randperm(slots, generator=gen)
-    seq_a, seq_b = perm[:20], perm[20:40]  # slot of each position
+    seq_a, seq_b = perm[: a + 1], perm[a + 1 : a + b + 5]  # slot of each position
     cache_k, cache_v = torch.randn(hkv, slots, d, generator=gen), torch.randn(hkv, slots, d, generator=gen)
     q = torch.randn(h, 5, d, generator=gen)
     k, v = torch.randn(hkv, 5, d, generator=gen), torch.randn(hkv, 5, d, generator=gen)
-    # A: prefix 19, new token at position 19. B: prefix 16, tree 0 <- {1, 2}, 1 <- 3 at 16..19.
+    # A: new token at position a. B: tree 0 <- {1, 2}, 1 <- 3 at b..b+3.
     ancestors = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-    sees = [seq_a[:20]] + [torch.cat([seq_b[:16], seq_b[16:20][row]]) for row in ancestors]
-    new_slots = torch.cat([seq_a[19:20], seq_b[16:20]])
+    sees = [seq_a] + [torch.cat([seq_b[:b], seq_b[b : b + 4][row]]) for row in ancestors]
+    new_slots = torch.cat([seq_a[a : a + 1], seq_b[b : b + 4]])
     return dict(q=q, k=k, v=v, cache_k=cache_k, cache_v=cache_v, sees=sees, new_slots=new_slots)
 
 
@@ -169,10 +170,15 @@ def _run_attention(case: dict, rows: list[int], ops: RowOps) -> torch.Tensor:
     return out
 
 
+# rows of one span of slots; several, the last one short (A: 3 spans, B: 2 and 3)
+LENGTHS = [(19, 16), (150, 126)]
+
+
 @pytest.mark.parametrize("isa", isa_ops())
 @pytest.mark.parametrize("d", HEAD_DIMS)
-def test_attention_kernel_equals_sdpa_over_each_rows_slots(isa: str, d: int) -> None:
-    case = _attention_case(d, seed=d)
+@pytest.mark.parametrize(("a", "b"), LENGTHS)
+def test_attention_kernel_equals_sdpa_over_each_rows_slots(isa: str, d: int, a: int, b: int) -> None:
+    case = _attention_case(d, seed=d, a=a, b=b)
     out = _run_attention(case, [0, 1, 2, 3, 4], ops_of(isa))
     cache_k, cache_v = case["cache_k"].clone(), case["cache_v"].clone()
     cache_k[:, case["new_slots"]], cache_v[:, case["new_slots"]] = case["k"], case["v"]
@@ -185,8 +191,9 @@ def test_attention_kernel_equals_sdpa_over_each_rows_slots(isa: str, d: int) -> 
 
 
 @pytest.mark.parametrize("isa", isa_ops())
-def test_attention_kernel_rows_do_not_depend_on_the_batch(isa: str) -> None:
-    case = _attention_case(64, seed=1)
+@pytest.mark.parametrize(("a", "b"), LENGTHS)
+def test_attention_kernel_rows_do_not_depend_on_the_batch(isa: str, a: int, b: int) -> None:
+    case = _attention_case(64, seed=1, a=a, b=b)
     ops = ops_of(isa)
     together = _run_attention(case, [0, 1, 2, 3, 4], ops)
     # B's rows need their ancestors' new keys: run B's tree alone, and A's row alone.
@@ -198,10 +205,11 @@ def test_row_kernels_give_the_same_bits_on_avx2_and_avx512() -> None:
     wide, narrow = row_ops("avx512"), row_ops("avx2")
     if wide is None or narrow is None:
         pytest.skip("needs both the AVX-512 and the AVX2 build")
-    case = _attention_case(64, seed=3)
-    assert torch.equal(
-        _run_attention(case, [0, 1, 2, 3, 4], wide), _run_attention(case, [0, 1, 2, 3, 4], narrow)
-    )
+    for a, b in LENGTHS:
+        case = _attention_case(64, seed=3, a=a, b=b)
+        assert torch.equal(
+            _run_attention(case, [0, 1, 2, 3, 4], wide), _run_attention(case, [0, 1, 2, 3, 4], narrow)
+        )
     x, w = torch.randn(3, 576), torch.randn(576)
     assert torch.equal(wide.rms_norm(x, w, 1e-5), narrow.rms_norm(x, w, 1e-5))
 

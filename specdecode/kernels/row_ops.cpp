@@ -38,14 +38,69 @@ __attribute__((optimize("fp-contract=off"))) void rotate(const float* __restrict
 // in its scratch and registers).
 constexpr int MAX_GROUP = 16;
 
-// G query rows (heads sharing one key/value head) of one row: for each, softmax(q . k_j * scale)
-// over the row's L slots, times v_j. NC = head_dim / 16. `s` is scratch for G x L scores, each
+// A row's slots go in spans of SPAN (the last shorter), each span a task of its own: one row alone
+// (decoding a token) then has work for every thread however few its key/value heads, and reads
+// each key and value once for all the heads that share it. The spans depend only on the row's own
+// number of slots, so its result is the same alone or in any batch, whatever the thread count.
+constexpr int64_t SPAN = 64;
+
+// Attention of G query rows (heads sharing one key/value head) of one row over `L` of its slots
+// (`idx`), unnormalised: for each head, its top score m (scaled), the sum l of exp(score - m), and
+// o = the sum of exp(score - m) v_j. NC = head_dim / 16; `s` is scratch for G x L scores, each
 // rounded up to 16. Slots come 16 at a time, each block's keys and values read from memory once
 // for all G heads; a head's scores are 16 keys at a time (`reduce16`: each the same sum as
 // `reduce` of its key's products), so a head's result is the same in any group.
+// Ask for the n rows of D floats at `base + slots[i] * D` now (the hardware's prefetching, a
+// stream or two per thread, read a row's keys and values at ~25 GB/s on two cores).
+constexpr int64_t AHEAD = 32;  // slots ahead
+inline void ask_for(const float* base, const int64_t* slots, int64_t n, int64_t D) {
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t d = 0; d < D; d += 16) {
+#if defined(__x86_64__)
+            __asm__("prefetcht0 %0" : : "m"(base[slots[i] * D + d]));
+#else
+            __builtin_prefetch(base + slots[i] * D + d);
+#endif
+        }
+}
+
+// Heads' running sums o over n slots' values, each weighed by its score p (head g's at
+// p[g * stride + k]), for as many of `left` heads as one pass takes (returned): GN at once, each
+// head's sum in slot order, so the same bits whichever pass takes it.
+template <int NC, int GN>
+inline void value_pass(const float* __restrict vc, const int64_t* __restrict idx, int64_t n, const float* p,
+                       int64_t stride, V (*o)[NC]) {
+    constexpr int64_t D = NC * 16;
+    V acc[GN][NC];
+    for (int g = 0; g < GN; ++g)
+        for (int c = 0; c < NC; ++c) acc[g][c] = o[g][c];
+    for (int64_t k = 0; k < n; ++k) {
+        const float* v = vc + idx[k] * D;
+        V vv[NC];
+        for (int c = 0; c < NC; ++c) vv[c] = loadv(v + c * 16);
+        for (int g = 0; g < GN; ++g) {
+            const V w = set1(p[g * stride + k]);
+            for (int c = 0; c < NC; ++c) acc[g][c] = fma(w, vv[c], acc[g][c]);
+        }
+    }
+    for (int g = 0; g < GN; ++g)
+        for (int c = 0; c < NC; ++c) o[g][c] = acc[g][c];
+}
+
+template <int NC, int GN = (NC >= 8 ? 2 : 24 / NC)>
+inline int value_sums(int left, const float* vc, const int64_t* idx, int64_t n, const float* p, int64_t stride,
+                      V (*o)[NC]) {
+    if constexpr (GN > 1) {
+        if (left < GN) return value_sums<NC, GN - 1>(left, vc, idx, n, p, stride, o);
+    }
+    value_pass<NC, GN>(vc, idx, n, p, stride, o);
+    return GN;
+}
+
 template <int NC>
-void attend_heads(int G, const float* const* q, const float* __restrict kc, const float* __restrict vc,
-                  const int64_t* __restrict idx, int64_t L, float scale, float* const* out, float* __restrict s) {
+void attend_span(int G, const float* const* q, const float* __restrict kc, const float* __restrict vc,
+                 const int64_t* __restrict idx, int64_t L, int64_t L_all, float scale, float* __restrict s,
+                 V (&o)[MAX_GROUP][NC], float* m_out, float* l_out) {
     constexpr int64_t D = NC * 16;
     const int64_t padded = (L + 15) / 16 * 16;
     const V sc = set1(scale);
@@ -55,6 +110,10 @@ void attend_heads(int G, const float* const* q, const float* __restrict kc, cons
         const int64_t n = L - j0 < 16 ? L - j0 : 16;
         const float* key[16];
         for (int64_t k = 0; k < 16; ++k) key[k] = kc + idx[j0 + (k < n ? k : n - 1)] * D;  // past L: the last again
+        if (j0 + AHEAD < L_all) {  // keys and values ahead (a span's values are read after its scores)
+            ask_for(kc, idx + j0 + AHEAD, std::min<int64_t>(16, L_all - j0 - AHEAD), D);
+            ask_for(vc, idx + j0 + AHEAD, std::min<int64_t>(16, L_all - j0 - AHEAD), D);
+        }
         for (int g = 0; g < G; ++g) {
             V qv[NC];
             for (int c = 0; c < NC; ++c) qv[c] = loadv(q[g] + c * 16);
@@ -68,7 +127,6 @@ void attend_heads(int G, const float* const* q, const float* __restrict kc, cons
             top[g] = maxv(top[g], x);  // the repeated last key adds no new maximum
         }
     }
-    float inv[MAX_GROUP];
     for (int g = 0; g < G; ++g) {
         float* sg = s + g * padded;
         float lanes_top[16];
@@ -81,47 +139,17 @@ void attend_heads(int G, const float* const* q, const float* __restrict kc, cons
         for (int64_t j = 0; j < L; j += 16) storev(sg + j, exp_nonpositive(sub(loadv(sg + j), mv)));
         std::fill(sg + L, sg + padded, 0.0f);  // past the last slot: no weight
         for (int64_t j = 0; j < L; j += 16) total = add(total, loadv(sg + j));
-        inv[g] = 1.0f / reduce(total);
+        m_out[g] = m;
+        l_out[g] = reduce(total);
     }
     // The heads' sums over 16 slots' values at a time, read from memory once; each value row
-    // serves up to GB heads at once (independent chains: no head waits on its own last sum).
-    constexpr int GB = NC >= 8 ? 2 : 24 / NC;
-    V o[MAX_GROUP][NC];
+    // serves up to GB heads at once (independent chains: no head waits on its own last sum; one
+    // head alone, four chains of fused multiply-adds, waited on each).
     for (int g = 0; g < G; ++g)
         for (int c = 0; c < NC; ++c) o[g][c] = zero();
     for (int64_t j0 = 0; j0 < L; j0 += 16) {
         const int64_t n = L - j0 < 16 ? L - j0 : 16;
-        int g0 = 0;
-        for (; g0 + GB <= G; g0 += GB) {
-            V acc[GB][NC];
-            for (int g = 0; g < GB; ++g)
-                for (int c = 0; c < NC; ++c) acc[g][c] = o[g0 + g][c];
-            for (int64_t k = 0; k < n; ++k) {
-                const float* v = vc + idx[j0 + k] * D;
-                V vv[NC];
-                for (int c = 0; c < NC; ++c) vv[c] = loadv(v + c * 16);
-                for (int g = 0; g < GB; ++g) {
-                    const V p = set1(s[(g0 + g) * padded + j0 + k]);
-                    for (int c = 0; c < NC; ++c) acc[g][c] = fma(p, vv[c], acc[g][c]);
-                }
-            }
-            for (int g = 0; g < GB; ++g)
-                for (int c = 0; c < NC; ++c) o[g0 + g][c] = acc[g][c];
-        }
-        for (; g0 < G; ++g0) {
-            V acc[NC];
-            for (int c = 0; c < NC; ++c) acc[c] = o[g0][c];
-            for (int64_t k = 0; k < n; ++k) {
-                const float* v = vc + idx[j0 + k] * D;
-                const V p = set1(s[g0 * padded + j0 + k]);
-                for (int c = 0; c < NC; ++c) acc[c] = fma(p, loadv(v + c * 16), acc[c]);
-            }
-            for (int c = 0; c < NC; ++c) o[g0][c] = acc[c];
-        }
-    }
-    for (int g = 0; g < G; ++g) {
-        const V iv = set1(inv[g]);
-        for (int c = 0; c < NC; ++c) storev(out[g] + c * 16, mul(o[g][c], iv));
+        for (int g0 = 0; g0 < G;) g0 += value_sums<NC>(G - g0, vc, idx + j0, n, s + g0 * padded + j0, padded, o + g0);
     }
 }
 
@@ -131,14 +159,21 @@ void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, in
                  const int64_t* new_slot, int64_t n_rows, const int64_t* row_ptr, const int64_t* idx, float* out,
                  int64_t o_st, int64_t Hq, int64_t Hkv, float scale, const float* cos, const float* sin,
                  int threads) {
-    constexpr int64_t D = NC * 16;
-    int64_t longest = 0;
-    for (int64_t r = 0; r < n_rows; ++r) longest = std::max(longest, row_ptr[r + 1] - row_ptr[r]);
+    constexpr int64_t D = NC * 16, PART = D + 2;  // a span's partial result: o, m, l
     const int64_t group = Hq / Hkv;
-    // Heads per task: a whole group where that leaves every thread several tasks, else one (a
-    // single row's few groups would leave a thread idle). A head's result does not depend on it.
-    int64_t per = group;
-    while (per > 1 && (n_rows * Hkv * (group / per) < 4 * threads || group % per || per > MAX_GROUP)) --per;
+    int64_t per = group;  // heads a task: the whole group where it fits the task's registers
+    while (per > MAX_GROUP || group % per) --per;
+    const int64_t chunks = group / per;
+    // Each row's spans, listed (row, first slot), and where a row of several keeps its partials.
+    std::vector<int64_t> span_row, span_first, part_at(size_t(n_rows), -1);
+    int64_t parts = 0;
+    for (int64_t r = 0; r < n_rows; ++r) {
+        const int64_t L = row_ptr[r + 1] - row_ptr[r];
+        for (int64_t j = 0; j < L; j += SPAN) span_row.push_back(r), span_first.push_back(j);
+        if (L > SPAN) part_at[size_t(r)] = parts, parts += (L + SPAN - 1) / SPAN * Hq;
+    }
+    const auto n_spans = int64_t(span_row.size());
+    std::vector<float> partial(size_t(parts * PART));
 #pragma omp parallel num_threads(threads)
     {
         // The new keys and values into their slots first: rows of a tree see their ancestors'.
@@ -154,27 +189,64 @@ void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, in
             }
             for (int c = 0; c < NC; ++c) storev(vd + c * 16, loadv(vn + h * v_sh + t * v_st + c * 16));
         }
-        std::vector<float> scratch(per * ((longest + 15) / 16 * 16));
-        std::vector<float> rotated(per * D);
-        // Tasks by key/value head, then row, then its heads `per` at a time: a thread reads a
-        // key/value head's slots once from memory, then from its own cache for every row.
-        const int64_t chunks = group / per;
+        std::vector<float> scratch(size_t(per * SPAN));
+        std::vector<float> rotated(size_t(per * D));
+        V o[MAX_GROUP][NC];
+        float m[MAX_GROUP], l[MAX_GROUP];
+        // Tasks by key/value head, then span (rows in order), then its heads `per` at a time: a
+        // thread reads a key/value head's slots once from memory, then from its own cache for
+        // every row that shares them.
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < Hkv * n_rows * chunks; ++task) {
-            const int64_t kvh = task / (n_rows * chunks), r = task / chunks % n_rows;
-            const int64_t h0 = kvh * group + task % chunks * per, t = rows[r];
+        for (int64_t task = 0; task < Hkv * n_spans * chunks; ++task) {
+            const int64_t kvh = task / (n_spans * chunks), sp = task / chunks % n_spans;
+            const int64_t r = span_row[size_t(sp)], j = span_first[size_t(sp)], t = rows[r];
+            const int64_t L = row_ptr[r + 1] - row_ptr[r], n = L - j < SPAN ? L - j : SPAN;
+            const int64_t h0 = kvh * group + task % chunks * per;
             const float* qs[MAX_GROUP];
-            float* outs[MAX_GROUP];
             for (int64_t g = 0; g < per; ++g) {
                 qs[g] = q + (h0 + g) * q_sh + t * q_st;
                 if (cos != nullptr) {
                     rotate(qs[g], cos + t * D, sin + t * D, D, rotated.data() + g * D);
                     qs[g] = rotated.data() + g * D;
                 }
-                outs[g] = out + t * o_st + (h0 + g) * D;
             }
-            attend_heads<NC>(int(per), qs, kc + kvh * c_sh, vc + kvh * c_sh, idx + row_ptr[r],
-                             row_ptr[r + 1] - row_ptr[r], scale, outs, scratch.data());
+            attend_span<NC>(int(per), qs, kc + kvh * c_sh, vc + kvh * c_sh, idx + row_ptr[r] + j, n, L - j, scale,
+                            scratch.data(), o, m, l);
+            if (L <= SPAN) {  // the row's one span: its result
+                for (int64_t g = 0; g < per; ++g) {
+                    const V iv = set1(1.0f / l[g]);
+                    for (int c = 0; c < NC; ++c) storev(out + t * o_st + (h0 + g) * D + c * 16, mul(o[g][c], iv));
+                }
+            } else {
+                float* p = partial.data() + (part_at[size_t(r)] + j / SPAN * Hq + h0) * PART;
+                for (int64_t g = 0; g < per; ++g, p += PART) {
+                    for (int c = 0; c < NC; ++c) storev(p + c * 16, o[g][c]);
+                    p[D] = m[g], p[D + 1] = l[g];
+                }
+            }
+        }
+        // Rows of several spans: their spans' partials merged in order, each weighed by
+        // exp(its top - the row's top).
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < n_rows * Hq; ++task) {
+            const int64_t r = task / Hq, h = task % Hq;
+            if (part_at[size_t(r)] < 0) continue;
+            const int64_t spans = (row_ptr[r + 1] - row_ptr[r] + SPAN - 1) / SPAN;
+            const float* first = partial.data() + (part_at[size_t(r)] + h) * PART;
+            float top = -INFINITY;
+            for (int64_t i = 0; i < spans; ++i) top = std::max(top, first[i * Hq * PART + D]);
+            V acc[NC];
+            for (int c = 0; c < NC; ++c) acc[c] = zero();
+            float total = 0.0f;
+            for (int64_t i = 0; i < spans; ++i) {
+                const float* p = first + i * Hq * PART;
+                float w[16];
+                storev(w, exp_nonpositive(set1(p[D] - top)));
+                for (int c = 0; c < NC; ++c) acc[c] = fma(set1(w[0]), loadv(p + c * 16), acc[c]);
+                total = std::fma(w[0], p[D + 1], total);
+            }
+            const V iv = set1(1.0f / total);
+            for (int c = 0; c < NC; ++c) storev(out + rows[r] * o_st + h * D + c * 16, mul(acc[c], iv));
         }
     }
 }
