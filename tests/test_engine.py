@@ -600,6 +600,45 @@ def test_one_unlucky_draft_does_not_stop_a_method_for_good() -> None:
     assert policy.budgets([Candidate(4, accept_rates([], [], [], [], 4), 0.0)], 1, 512)[0] > 0
 
 
+@pytest.mark.parametrize("probe", [True, False])
+def test_one_slow_proposal_does_not_keep_a_request_plain(setup, monkeypatch, probe: bool) -> None:
+    """A pause inside one `propose` (its drafting cost read as 0.3 s a token) makes drafting look
+    ruinous; a request kept plain then drafts one token every PROBE_STEPS steps, its method's cost
+    is the lower median of its proposals, and drafting resumes. Without the probes (the control)
+    nothing ever measures the cost again and the request stays plain to its end."""
+    import time
+
+    from specdecode.engine import llm_engine
+
+    if not probe:
+        monkeypatch.setattr(llm_engine, "PROBE_STEPS", 10**9)
+    llm, _ = setup
+    prompt = [5, 9, 13, 17, 21] * 8
+    params = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
+    engine = llm.new_engine(EngineConfig(latency_curve=FLAT_CURVE))
+    drafter = engine.drafters.build(parse_speculative({"method": "prompt_lookup"}))
+    assert drafter is not None
+    calls: list[int] = []
+    propose = drafter.propose
+
+    def stalling(req: Request, budget: int | None = None) -> Proposal:
+        calls.append(len(req.output_ids))
+        if len(calls) == 2:  # the first proposal measured (a request's first is not)
+            time.sleep(0.3)
+        return propose(req, budget)
+
+    drafter.propose = stalling  # type: ignore[method-assign]
+    seq = engine.add_request(EngineRequest("a", prompt, params, None), drafter)
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.req.output_ids == alone(llm, prompt, params, None)
+    after = [n for n in calls if n > calls[1]]
+    if probe:
+        assert len(after) >= 20  # probes, then drafting most steps again
+    else:
+        assert after == []
+
+
 @pytest.mark.real
 def test_smollm2_batch_equals_solo() -> None:
     llm = LLM(model="smollm2-135m", progress=False)

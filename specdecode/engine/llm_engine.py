@@ -43,8 +43,10 @@ from specdecode.engine.config import EngineConfig
 from specdecode.engine.drafter_factory import DrafterFactory
 from specdecode.engine.paged_cache import PagedCache, PagedKVStorage
 from specdecode.engine.policy import (
+    COST_SAMPLES,
     EMA,
     FORGET,
+    PROBE_STEPS,
     Candidate,
     LatencyCurve,
     SpeculationPolicy,
@@ -143,12 +145,22 @@ class EngineStats:
     accepted_by_position: dict[str, list[int]] = field(default_factory=dict)
     proposed_by_position: dict[str, list[int]] = field(default_factory=dict)  # steps offering position i
     reached_by_position: dict[str, list[int]] = field(default_factory=dict)  # ... with all before accepted
-    # Running average of each method's drafting seconds per draft token, over its requests.
+    # Each method's drafting seconds per draft token, over its requests: the lower median of its
+    # last COST_SAMPLES proposals' figures (`record_cost`), so that one slow `propose` (a pause, a
+    # neighbour on the machine) cannot make the method look costly to every request after it.
     draft_cost: dict[str, float] = field(default_factory=dict)
+    draft_cost_samples: dict[str, list[float]] = field(default_factory=dict)
     # Seconds from a request's arrival to its first token, and per output token after the first
     # (each finished request's decode time / its tokens after the first).
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     time_per_output_token: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))
+
+    def record_cost(self, method: str, seconds_per_token: float) -> None:
+        """One proposal's drafting seconds per draft token, into its method's estimate."""
+        samples = self.draft_cost_samples.setdefault(method, [])
+        samples.append(seconds_per_token)
+        del samples[:-COST_SAMPLES]
+        self.draft_cost[method] = sorted(samples)[(len(samples) - 1) // 2]
 
     def record_draft(self, method: str, result: StepResult, num_accepted: int) -> None:
         """Count one speculative step of a request using `method`."""
@@ -354,8 +366,7 @@ class LLMEngine:
                     # 0.5B). The next figure is taken whole: averaged in from zero, a draft model's
                     # forwards looked cheap for its request's first ten steps.
                     seq.draft_cost += (EMA if seq.draft_cost > 0 else 1.0) * (spent / k - seq.draft_cost)
-                    method = self.stats.draft_cost.get(seq.method, spent / k)
-                    self.stats.draft_cost[seq.method] = method + EMA * (spent / k - method)
+                    self.stats.record_cost(seq.method, spent / k)
                 seq.idle_steps = 0
             elif seq.drafter is not None:
                 # Not measured this step: let the estimate drift to its method's, so that one slow
@@ -432,7 +443,16 @@ class LLMEngine:
             cost = seq.draft_cost if seq.draft_cost > 0 else self.stats.draft_cost.get(seq.method, 0.0)
             candidates.append(Candidate(depth, rates, cost))
         chosen = iter(self.policy.budgets(candidates, base_tokens, rows) if candidates else [])
-        return [next(chosen) if k is None else k for k in fixed]
+        out = [next(chosen) if k is None else k for k in fixed]
+        # A request kept plain for PROBE_STEPS steps drafts one token: its method's cost and
+        # acceptance are measured anew, so estimates that went wrong (a pause while it drafted,
+        # a text that turned repetitive) cannot keep it plain for good; where drafting does not
+        # pay, the probe costs one row every PROBE_STEPS steps.
+        left = rows - base_tokens - sum(out)
+        for i, seq in enumerate(decoding):
+            if left > 0 and fixed[i] is None and out[i] == 0 and seq.idle_steps >= PROBE_STEPS:
+                out[i], left = 1, left - 1
+        return out
 
     def _forward(
         self, plans: list[tuple[Sequence, StepPlan, Segment]], chunks: list[tuple[Sequence, Segment]]

@@ -13,7 +13,8 @@ The policy maximises the batch's expected tokens per second under two measured m
   per-request Python, cache gathers; one average for plain steps and one for steps that verify
   drafts, whose trees, masks, walks and cache compaction cost more), and each request's drafting
   cost per draft token (a running average of its drafter's `propose` time: nearly zero for prompt
-  lookup, a draft model's forwards for draft_model).
+  lookup, a draft model's forwards for draft_model; before it has one, its method's: the lower
+  median of the method's last COST_SAMPLES proposals, which one slow proposal does not move).
 - gain: a request's d-th draft token adds `p_d` expected tokens, the chance that its draft's
   first d tokens are accepted: a product of per-depth conditional rates (the request's own
   counts, shrunk towards its method's engine-wide rates, which start from an optimistic 0.8),
@@ -28,7 +29,10 @@ expected tokens are `n + sum_i sum_{d<k_i} p_{i,d}`. Gains fall with depth, so t
 allocation of X extra rows takes the X largest gains over all requests; the policy scores every
 X from 0 up and keeps the best. One request alone gets the draft the curve pays for, a wide batch
 gets drafts only for its requests whose drafts are nearly always accepted, and when nothing pays
-every request takes a plain step (its drafter is not even asked).
+every request takes a plain step (its drafter is not even asked). A request kept plain for
+PROBE_STEPS steps drafts one token all the same (the engine's probe): its cost and acceptance are
+measured anew, so estimates gone wrong (one `propose` slowed by a pause read as what every draft
+costs kept a method plain for a whole benchmark run) cannot stop it for good.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ PRIOR_RATE = 0.8  # acceptance rate of draft position 1 assumed before any count
 EMA = 0.1  # weight of the newest sample in the running averages
 EXPLORE = 1.0  # standard errors of optimism in the acceptance estimates (`accept_rates`)
 FORGET = 0.9  # per step without drafting, how much of a request's own acceptance counts remain
+PROBE_STEPS = 32  # steps a request is kept plain before it drafts one token to measure anew
+COST_SAMPLES = 9  # proposals a method's drafting cost is the lower median of
 
 
 class LatencyCurve:
