@@ -331,8 +331,8 @@ struct Q4_K_ : Uniform {
 };
 
 // d (16 x fp16); per group of 32: int8 scales of its two halves (16 + 16 bytes: what the AVX-512
-// build reads before a group's first step pair), then 8 step pairs of 48 bytes: output c's three bytes at 3c hold its quants of steps 2i and 2i + 1, each
-// lo then hi, 6 bits apiece from bit 0. (Kept as GGUF splits them, 4 low bits and 2 high, a step
+// build reads before a group's first step pair), then 8 step pairs of 48 bytes: output c's three
+// bytes at 3c hold its quants of steps 2i and 2i + 1, each lo then hi, 6 bits apiece from bit 0. (Kept as GGUF splits them, 4 low bits and 2 high, a step
 // took 13 integer operations to put together, more than its multiply-adds at 4 rows.)
 struct Q6_K_ {
     static constexpr int weights = 256, bytes = 210, group_bytes = 32 + 384, packed = 32 + 8 * group_bytes;
@@ -424,21 +424,14 @@ constexpr int TILES = 1, FEW = 2, FR = 1, FR1 = 0, SR = 1, PR = 1;
 
 // Ask for the bytes F's distance past [p, p + n) now: the hardware's own prefetching, one stream
 // per thread, left a row of x at ~30 GB/s of weights on two cores where ~40 are had with this.
-// (An asm statement on x86: GCC took __builtin_prefetch as a reason to store the accumulators
-// to memory at every step.) The distance: 12 KB for the formats of 32-weight blocks, whose
-// blocks a row passes quickly (interleaved A/B from memory: Q4_0 and Q4_1 5-10% faster at 1 and
-// 2 rows than at 4 KB), 4 KB for Q4_K and Q6_K (8% slower at 12 KB).
+// The distance: 12 KB for the formats of 32-weight blocks, whose blocks a row passes quickly
+// (interleaved A/B from memory: Q4_0 and Q4_1 5-10% faster at 1 and 2 rows than at 4 KB), 4 KB
+// for Q4_K and Q6_K (8% slower at 12 KB).
 template <class F>
 constexpr int PREFETCH = F::weights == 32 ? 12288 : 4096;
 template <class F>
 inline void prefetch_ahead(const uint8_t* p, int n) {
-    for (int i = 0; i < n; i += 64) {
-#if defined(__x86_64__)
-        __asm__("prefetcht0 %0" : : "m"(p[PREFETCH<F> + i]));
-#else
-        __builtin_prefetch(p + PREFETCH<F> + i);
-#endif
-    }
+    for (int i = 0; i < n; i += 64) prefetch(p + PREFETCH<F> + i);
 }
 
 // y[n] for the outputs n < `valid` of C tiles (their sums in s).

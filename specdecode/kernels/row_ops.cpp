@@ -44,24 +44,12 @@ constexpr int MAX_GROUP = 16;
 // number of slots, so its result is the same alone or in any batch, whatever the thread count.
 constexpr int64_t SPAN = 64;
 
-// Attention of G query rows (heads sharing one key/value head) of one row over `L` of its slots
-// (`idx`), unnormalised: for each head, its top score m (scaled), the sum l of exp(score - m), and
-// o = the sum of exp(score - m) v_j. NC = head_dim / 16; `s` is scratch for G x L scores, each
-// rounded up to 16. Slots come 16 at a time, each block's keys and values read from memory once
-// for all G heads; a head's scores are 16 keys at a time (`reduce16`: each the same sum as
-// `reduce` of its key's products), so a head's result is the same in any group.
 // Ask for the n rows of D floats at `base + slots[i] * D` now (the hardware's prefetching, a
 // stream or two per thread, read a row's keys and values at ~25 GB/s on two cores).
 constexpr int64_t AHEAD = 32;  // slots ahead
 inline void ask_for(const float* base, const int64_t* slots, int64_t n, int64_t D) {
     for (int64_t i = 0; i < n; ++i)
-        for (int64_t d = 0; d < D; d += 16) {
-#if defined(__x86_64__)
-            __asm__("prefetcht0 %0" : : "m"(base[slots[i] * D + d]));
-#else
-            __builtin_prefetch(base + slots[i] * D + d);
-#endif
-        }
+        for (int64_t d = 0; d < D; d += 16) prefetch(base + slots[i] * D + d);
 }
 
 // Heads' running sums o over n slots' values, each weighed by its score p (head g's at
@@ -97,6 +85,12 @@ inline int value_sums(int left, const float* vc, const int64_t* idx, int64_t n, 
     return GN;
 }
 
+// Attention of G query rows (heads sharing one key/value head) of one row over `L` of its slots
+// (`idx`), unnormalised: for each head, its top score m (scaled), the sum l of exp(score - m), and
+// o = the sum of exp(score - m) v_j. NC = head_dim / 16; `s` is scratch for G x L scores, each
+// rounded up to 16. Slots come 16 at a time, each block's keys and values read from memory once
+// for all G heads; a head's scores are 16 keys at a time (`reduce16`: each the same sum as
+// `reduce` of its key's products), so a head's result is the same in any group.
 template <int NC>
 void attend_span(int G, const float* const* q, const float* __restrict kc, const float* __restrict vc,
                  const int64_t* __restrict idx, int64_t L, int64_t L_all, float scale, float* __restrict s,
@@ -143,8 +137,8 @@ void attend_span(int G, const float* const* q, const float* __restrict kc, const
         l_out[g] = reduce(total);
     }
     // The heads' sums over 16 slots' values at a time, read from memory once; each value row
-    // serves up to GB heads at once (independent chains: no head waits on its own last sum; one
-    // head alone, four chains of fused multiply-adds, waited on each).
+    // serves several heads at once (`value_sums`: independent chains, where one head alone had
+    // its NC chains of fused multiply-adds each wait on its last sum).
     for (int g = 0; g < G; ++g)
         for (int c = 0; c < NC; ++c) o[g][c] = zero();
     for (int64_t j0 = 0; j0 < L; j0 += 16) {
