@@ -48,8 +48,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16"],
-        help="auto: a GGUF's weights as stored (quantized, float32 activations), else float32",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: on a CPU a GGUF's weights as stored (quantized, float32 activations), else "
+        "float32; on a GPU bfloat16",
     )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA when available)")
     p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch")

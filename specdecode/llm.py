@@ -52,8 +52,9 @@ class LLM:
 
     `model` is a short name (`specdecode models list`), a `.gguf` file, a Hugging Face model
     directory, or a hub id where a network exists. `dtype` "auto" runs a GGUF's weights as stored
-    (its block formats, float32 activations; on a CPU) and other models in float32; "float32" or
-    "bfloat16" dequantize every weight to that dtype. `quantization` ("q4_0", "q4_1", "q5_0",
+    (its block formats, float32 activations; on a CPU) and other models in float32, and on a GPU
+    every model in bfloat16; "float32", "bfloat16" or "float16" dequantize every weight to that
+    dtype. `quantization` ("q4_0", "q4_1", "q5_0",
     "q8_0") quantizes a float checkpoint's linear weights and LM head on load, run as a GGUF's
     are. `device` defaults to CUDA when available, else CPU. `speculative` is the default speculative method
     for every call (a dictionary such as `{"method": "prompt_lookup"}`; None = plain decoding);

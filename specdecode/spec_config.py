@@ -15,7 +15,7 @@ from specdecode.errors import SpecDecodeError
 
 # A draft model's weights: as the target's (auto), floats, or quantized on load into one of
 # `gguf.QUANTIZATIONS` (the test suite holds the two lists equal).
-DRAFT_DTYPES = ("auto", "stored", "float32", "bfloat16", "q4_0", "q4_1", "q5_0", "q8_0")
+DRAFT_DTYPES = ("auto", "stored", "float32", "bfloat16", "float16", "q4_0", "q4_1", "q5_0", "q8_0")
 DEFAULT_LOOKUP_TOKENS = 6  # the trained drafters' lookup branch (LookupBranchOptions)
 DEFAULT_EAGLE2 = (3, 3, 8)  # depth, top_k, total_tokens (Eagle2Config)
 

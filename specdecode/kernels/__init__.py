@@ -4,16 +4,16 @@ A `Kernels` names what a layer needs and nothing about the model: linear product
 a layout the kernel chose (`LinearKernel`: pack once, multiply many times), an RMS norm, attention
 over listed cache slots, and the approximate (bfloat16) product drafts and the greedy screen use.
 `select` picks one for a device and dtype once; the layers hold it and never look at the CPU, the
-dtype or a library again. Two exist today:
+dtype or a library again. Three exist today:
 
 - `REFERENCE` / `EXACT`: PyTorch's own ops, on any device and dtype (what the CPU kernels fall
   back to and are tested against), with and without an approximate bfloat16 product;
 - the CPU kernels (`cpu.py`, over the ctypes libraries of `cpu_gemm.py` and `cpu_isa.py`):
   few-row float32 and bfloat16 matmuls on 32-column tiles (AVX-512), and, built per instruction
   set, a fused RMS norm, row attention and products of weights kept in GGUF block formats, where
-  the CPU and a compiler allow.
+  the CPU and a compiler allow;
+- `CUDA` (`cuda.py`): the exact ops on an NVIDIA GPU, with a probe of the card's bounds.
 
-A CUDA step plugs in here as a further `Kernels`.
 Nothing outside this package calls a compiled library.
 """
 
@@ -63,8 +63,13 @@ ENV_SWITCH = "SPECDECODE_CPU_KERNELS"
 def select(device: torch.device | str) -> Kernels:
     """The kernels a model on `device` runs on: on a CPU our kernels for the best instruction set
     here (or the one `SPECDECODE_CPU_ISA` forces), where a compiler is to be had and
-    `SPECDECODE_CPU_KERNELS` is not 0, else PyTorch's; elsewhere PyTorch's exact ops."""
+    `SPECDECODE_CPU_KERNELS` is not 0, else PyTorch's; on a GPU PyTorch's exact ops with the
+    card's probe; elsewhere PyTorch's exact ops."""
     device = torch.device(device)
+    if device.type == "cuda":
+        from specdecode.kernels.cuda import CUDA
+
+        return CUDA
     if device.type != "cpu":
         return EXACT
     switch = os.environ.get(ENV_SWITCH, "1")

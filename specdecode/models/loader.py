@@ -96,25 +96,29 @@ DTYPES = {
     "fp32": torch.float32,
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
 }
 
 
 def load_target(
     path: Path, dtype: str | torch.dtype, device: torch.device, quantization: str | None = None
 ) -> Transformer:
-    """The model in the directory `path` (from `resolve_model`). dtype "auto": a GGUF's weights as
-    stored, in their block formats (on a CPU; float32 activations), anything else in float32;
-    "float32" / "bfloat16": every weight dequantized to that dtype. `quantization` (q4_0, q4_1,
-    q5_0, q8_0): a float checkpoint's linear weights and LM head quantized on load and run as a
-    GGUF's are (CPU, float32 activations)."""
+    """The model in the directory `path` (from `resolve_model`). dtype "auto": on a CPU a GGUF's
+    weights as stored, in their block formats (float32 activations), anything else in float32; on
+    a GPU bfloat16; "float32" / "bfloat16" / "float16": every weight dequantized to that dtype.
+    `quantization` (q4_0, q4_1, q5_0, q8_0): a float checkpoint's linear weights and LM head
+    quantized on load and run as a GGUF's are (CPU, float32 activations)."""
     from specdecode.models.transformer import Transformer
 
     if quantization is not None:
         quantization = _check_quantization(path, quantization, dtype)
         return load_quantized(path, quantization, device)
     if dtype == "auto":
-        stored = source_gguf(path) if device.type == "cpu" else None
-        return Transformer.from_dir(path, torch.float32, device, stored=stored)
+        if device.type != "cpu":  # a GPU's matrix units and bandwidth are bfloat16's
+            return Transformer.from_dir(path, torch.bfloat16, device)
+        return Transformer.from_dir(path, torch.float32, device, stored=source_gguf(path))
     return Transformer.from_dir(path, resolve_dtype(dtype), device)
 
 
@@ -152,11 +156,13 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype in DTYPES.values():
             return dtype
-        raise SpecDecodeError(f"unsupported dtype {dtype}: use float32 or bfloat16")
+        raise SpecDecodeError(f"unsupported dtype {dtype}: use float32, bfloat16 or float16")
     try:
         return DTYPES[dtype]
     except KeyError:
-        raise SpecDecodeError(f"unsupported dtype {dtype!r}: use auto, float32 or bfloat16") from None
+        raise SpecDecodeError(
+            f"unsupported dtype {dtype!r}: use auto, float32, bfloat16 or float16"
+        ) from None
 
 
 def resolve_device(device: str | None) -> torch.device:
