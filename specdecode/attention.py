@@ -166,6 +166,79 @@ class AttentionPlan:
             seg.cache.length = seg.start + seg.length
 
 
+class StaticPlan:
+    """A forward of at most `rows` new tokens over one paged storage, in buffers of fixed size:
+    what a captured CUDA graph replays (`engine.graphs`), each step's plan written into the same
+    tensors by `fill`.
+
+    The rows' keys and values go to their slots (`new_slots`); attention reads `slots` columns
+    gathered from the storage (`gather`: every segment's prefix and new slots, one after the
+    other) under a (rows, slots) mask in which each row sees its own segment's columns as its
+    `Segment` says. Columns and rows past the plan point at `scratch`, a slot no block owns:
+    padded rows write there and see only its column; no real row sees it."""
+
+    def __init__(
+        self,
+        keys: torch.Tensor,  # (L, H_kv, S_all, D) the storage's key slots
+        values: torch.Tensor,  # (L, H_kv, S_all, D)
+        rows: int,
+        slots: int,
+        scratch: int,
+    ) -> None:
+        self.keys, self.values, self.rows, self.slots, self.scratch = keys, values, rows, slots, scratch
+        self.prefill_from = rows  # every row is a decoding step's
+        device = keys.device
+        self.new_slots = torch.full((rows,), scratch, dtype=torch.long, device=device)  # (T,)
+        self.gather = torch.full((slots,), scratch, dtype=torch.long, device=device)  # (S,)
+        self.mask = torch.zeros(rows, slots, dtype=torch.bool, device=device)  # (T, S)
+        self.mask[:, 0] = True
+
+    def columns(self, segments: list[Segment]) -> int:
+        """The gathered columns `segments` need."""
+        return sum(seg.start + seg.length for seg in segments)
+
+    def fill(self, segments: list[Segment]) -> None:
+        """Write the plan of `segments` (their rows in order, `rows` at most in all, `columns` at
+        most `slots`) into the buffers."""
+        self.new_slots.fill_(self.scratch)
+        self.gather.fill_(self.scratch)
+        self.mask.zero_()
+        r = c = 0
+        for seg in segments:
+            end = seg.start + seg.length
+            table = seg.cache.slot_table(end)  # (start+T,)
+            self.new_slots[r : r + seg.length] = table[seg.start :]
+            self.gather[c : c + end] = table
+            mask = seg.mask if seg.mask is not None else causal_mask(seg.start, seg.length, table.device)
+            self.mask[r : r + seg.length, c : c + end] = mask
+            r, c = r + seg.length, c + end
+        self.mask[r:, 0] = True  # padded rows see one column, so their softmax stays finite
+
+    def kernel_rows(self, *args: object) -> None:
+        """No row kernel: the layers run one by one (see `Transformer.forward_plan`)."""
+        return None
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,  # (1, H, T, D), before rotary
+        k: torch.Tensor,  # (1, H_kv, T, D), before rotary
+        v: torch.Tensor,  # (1, H_kv, T, D)
+        cos: torch.Tensor,  # (1, 1, T, D)
+        sin: torch.Tensor,  # (1, 1, T, D)
+        kernels: Kernels,
+    ) -> torch.Tensor:
+        """Store the rows' keys/values and attend over the gathered columns: (1, H, T, D)."""
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        keys, values = self.keys[layer], self.values[layer]  # (H_kv, S_all, D)
+        keys.index_copy_(1, self.new_slots, k[0])
+        values.index_copy_(1, self.new_slots, v[0])
+        seen_k = keys.index_select(1, self.gather)[None]  # (1, H_kv, S, D)
+        seen_v = values.index_select(1, self.gather)[None]
+        gqa = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(q, seen_k, seen_v, attn_mask=self.mask, enable_gqa=gqa)
+
+
 @dataclass(frozen=True)
 class _KernelRows:
     """The rows of a plan that the row-attention kernel computes, laid out once per forward: each

@@ -25,6 +25,8 @@ class EngineConfig:
     `latency_curve`: the policy's forward-latency curve as (tokens, seconds) points; None =
     measured on this model when the engine starts. `prefix_caching`: reuse full KV blocks across
     requests sharing a token prefix. `speculative`: the method for requests that do not say.
+    `cuda_graphs`: on a GPU, replay decoding and verification forwards from captured CUDA graphs
+    (`engine.graphs`); off, every forward launches its kernels one by one.
     """
 
     block_size: int = 16
@@ -36,6 +38,7 @@ class EngineConfig:
     kv_cache_fraction: float = 0.25
     latency_curve: tuple[tuple[int, float], ...] | None = None
     prefix_caching: bool = True
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -46,7 +49,7 @@ class EngineConfig:
         fraction = self.kv_cache_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction <= 1:
             raise SpecDecodeError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
-        for name in ("policy", "prefix_caching"):
+        for name in ("policy", "prefix_caching", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecDecodeError(f"{name} must be true or false, got {getattr(self, name)!r}")
         object.__setattr__(self, "speculative", parse_speculative(self.speculative))

@@ -41,6 +41,7 @@ from specdecode.attention import AttentionPlan, Segment
 from specdecode.drafters.base import Drafter
 from specdecode.engine.config import EngineConfig
 from specdecode.engine.drafter_factory import DrafterFactory
+from specdecode.engine.graphs import GraphRunner
 from specdecode.engine.paged_cache import PagedCache, PagedKVStorage
 from specdecode.engine.policy import (
     COST_SAMPLES,
@@ -215,6 +216,10 @@ class LLMEngine:
             self.model.config, num_blocks, config.block_size, self.model.dtype, self.device
         )
         self.pool = self.storage.pool
+        # Steps without prefill rows replay captured CUDA graphs (on a GPU, where the config allows).
+        self.graphs = (
+            GraphRunner(model, self.storage) if config.cuda_graphs and self.device.type == "cuda" else None
+        )
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.prefix_caching)
         self.sequences: dict[str, Sequence] = {}
         self.policy: SpeculationPolicy | None = None
@@ -468,7 +473,10 @@ class LLMEngine:
             positions.append(torch.arange(seg.start, seg.start + seg.length, device=self.device))
         segments = [p[2] for p in plans] + [c[1] for c in chunks]
         plan = AttentionPlan(segments, prefill_from=sum(p[1].length for p in plans))
-        hidden = self.model.forward_plan(torch.cat(ids)[None], torch.cat(positions)[None], plan)[0]
+        if self.graphs is not None and not chunks and self.graphs.takes(segments):
+            hidden = self.graphs.forward(torch.cat(ids), torch.cat(positions), segments)
+        else:
+            hidden = self.model.forward_plan(torch.cat(ids)[None], torch.cat(positions)[None], plan)[0]
         plan.commit()  # the runner, not the forward, moves the caches past the new rows
         at = 0
         for seq, seg in [(s, g) for s, _, g in plans] + chunks:  # each row's hidden beside its KV

@@ -42,11 +42,16 @@ class PagedKVStorage:
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
         slots = num_blocks * block_size
-        shape = (config.num_layers, config.num_kv_heads, slots, config.head_dim)
-        # Not zeroed: attention only reads slots a forward wrote first. On a CPU a large empty
-        # tensor is mapped lazily, so memory is taken as blocks are used, not all at start.
+        # One slot past the blocks belongs to none: the padded rows of a captured forward write
+        # there (`attention.StaticPlan`). Zeroed, as nothing else is: attention only reads slots a
+        # forward wrote first, and on a CPU a large empty tensor is mapped lazily, so memory is
+        # taken as blocks are used, not all at start.
+        self.scratch = slots
+        shape = (config.num_layers, config.num_kv_heads, slots + 1, config.head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k[:, :, slots].zero_()
+        self.v[:, :, slots].zero_()
         # (S_all, C) each slot's hidden state; None for a draft model's storage (nobody reads it)
         self.h = torch.empty(slots, config.hidden_size, dtype=dtype, device=device) if hidden else None
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from specdecode.attention import AttentionPlan, Segment
+from specdecode.attention import AttentionPlan, Segment, StaticPlan
 from specdecode.errors import SpecDecodeError
 from specdecode.kernels import REFERENCE, DecoderRows, Kernels, LayerWeights, QuantPart, QuantWeight, select
 from specdecode.kv_cache import KVCache
@@ -92,7 +92,7 @@ class Block(nn.Module):
         x: torch.Tensor,  # (B, T, C)
         cos: torch.Tensor,  # (B, 1, T, D)
         sin: torch.Tensor,  # (B, 1, T, D)
-        plan: AttentionPlan,
+        plan: AttentionPlan | StaticPlan,
     ) -> torch.Tensor:
         b, t, _ = x.shape
         p = plan.prefill_from
@@ -152,7 +152,7 @@ class OneCallLayers:
         x: torch.Tensor,  # (1, T, C) the first layer's input, a scratch tensor: overwritten
         cos: torch.Tensor,  # (1, 1, T, D)
         sin: torch.Tensor,  # (1, 1, T, D)
-        plan: AttentionPlan,
+        plan: AttentionPlan | StaticPlan,
     ) -> torch.Tensor | None:
         """The layers' output (1, T, C) from one kernel call, where every row goes through the
         row attention; else None (call the layers)."""
@@ -231,7 +231,7 @@ class Transformer(nn.Module):
         self,
         input_ids: torch.Tensor,  # (B, T) long
         positions: torch.Tensor,  # (B, T) long
-        plan: AttentionPlan,
+        plan: AttentionPlan | StaticPlan,
     ) -> torch.Tensor:
         """Run a forward described by `plan` (several sequences' segments in one row, for batching):
         every segment's keys/values are written to its slots, and no cache's length moves (the

@@ -1,0 +1,118 @@
+"""Decoding and verification forwards replayed from captured CUDA graphs.
+
+On a GPU a small model's forward over a few new tokens is bound by launching its kernels (about
+ten a layer), not by its bytes or its arithmetic: SmolLM2's 30 layers take milliseconds to launch
+and tens of microseconds to run. A captured graph launches them all at once. A graph replays
+fixed tensors, so each forward is written into buffers of fixed size (`attention.StaticPlan`):
+its rows padded to a bucket (`ROW_BUCKETS`), the cache slots its rows see gathered into a bucket
+of columns (powers of two from `MIN_COLUMNS`), one graph per pair, captured when first needed.
+Every step without prefill rows goes through them: one request's decoding or verification, or
+several requests' in one batch.
+
+The same runner runs its buffers eagerly where it does not capture (`capture=False`, on a CPU):
+the path the tests compare with the usual forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.attention import Segment, StaticPlan
+from specdecode.engine.paged_cache import PagedKVStorage
+from specdecode.models.transformer import Transformer
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MIN_COLUMNS = 256
+MAX_COLUMNS = 1 << 16  # past this many slots in one step the usual forward runs
+
+
+@dataclass
+class _Graph:
+    """One bucket's buffers and, where captured, its graph (`out` is what a replay writes)."""
+
+    plan: StaticPlan
+    ids: torch.Tensor  # (1, T) long
+    positions: torch.Tensor  # (1, T) long
+    graph: torch.cuda.CUDAGraph | None = None
+    out: torch.Tensor | None = None  # (1, T, C)
+
+
+class GraphRunner:
+    """Forwards of at most `max_rows` new tokens over `storage` (the target's KV blocks), from
+    graphs captured per bucket (`capture`), or run eagerly over the same buffers."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        storage: PagedKVStorage,
+        capture: bool = True,
+        rows: tuple[int, ...] = ROW_BUCKETS,
+    ) -> None:
+        self.model, self.storage, self.capture, self.rows = model, storage, capture, rows
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None  # shared by every graph
+
+    @property
+    def max_rows(self) -> int:
+        return self.rows[-1]
+
+    def takes(self, segments: list[Segment]) -> bool:
+        """Whether one forward over `segments` fits a bucket: every segment a sequence of this
+        storage, `max_rows` rows and `MAX_COLUMNS` slots at most."""
+        rows = sum(seg.length for seg in segments)
+        columns = sum(seg.start + seg.length for seg in segments)
+        return (
+            0 < rows <= self.max_rows
+            and columns <= MAX_COLUMNS
+            and all(getattr(seg.cache, "storage", None) is self.storage for seg in segments)
+        )
+
+    def forward(
+        self,
+        ids: torch.Tensor,  # (T,) long, every segment's new tokens in order
+        positions: torch.Tensor,  # (T,) long
+        segments: list[Segment],
+    ) -> torch.Tensor:
+        """The rows' hidden states (T, C) after the final norm, their keys and values written to
+        their slots (the caches' lengths do not move: the caller commits)."""
+        t = ids.shape[0]
+        rows = next(r for r in self.rows if r >= t)
+        need = sum(seg.start + seg.length for seg in segments)
+        columns = max(MIN_COLUMNS, 1 << (need - 1).bit_length())
+        g = self.graphs.get((rows, columns)) or self._make(rows, columns)
+        g.plan.fill(segments)
+        g.ids.zero_()
+        g.ids[0, :t] = ids
+        g.positions.zero_()
+        g.positions[0, :t] = positions
+        if g.graph is None:
+            out = self.model.forward_plan(g.ids, g.positions, g.plan)
+        else:
+            g.graph.replay()
+            out = g.out
+        assert out is not None
+        return out[0, :t].clone()  # the next replay overwrites `out`; drafters keep rows
+
+    def _make(self, rows: int, columns: int) -> _Graph:
+        """The buffers of a bucket, and its graph where this runner captures."""
+        s, device = self.storage, self.storage.device
+        plan = StaticPlan(s.k, s.v, rows, columns, s.scratch)
+        ids = torch.zeros(1, rows, dtype=torch.long, device=device)
+        positions = torch.zeros(1, rows, dtype=torch.long, device=device)
+        g = _Graph(plan, ids, positions)
+        if self.capture:
+            # Warm up on a side stream (library handles, workspaces), then capture. The empty
+            # plan's rows write only the scratch slot.
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.model.forward_plan(ids, positions, plan)
+            torch.cuda.current_stream(device).wait_stream(side)
+            g.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g.graph, pool=self.pool):
+                g.out = self.model.forward_plan(ids, positions, plan)
+        self.graphs[rows, columns] = g
+        return g
