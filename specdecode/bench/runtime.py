@@ -88,7 +88,12 @@ class RuntimeReport:
     new_tokens: int
     ours_tok_s: list[float] = field(default_factory=list)
     hf_tok_s: list[float] = field(default_factory=list)
+    # On a GPU: ours with every forward launched op by op (no CUDA graphs), and transformers with
+    # its static cache and `torch.compile` (mode "reduce-overhead": its own CUDA graphs).
+    ours_eager_tok_s: list[float] = field(default_factory=list)
+    hf_compiled_tok_s: list[float] = field(default_factory=list)
     forward_ms: dict[int, float] = field(default_factory=dict)
+    graph_forward_ms: dict[int, float] = field(default_factory=dict)
     same_tokens: bool = False
     machine: Machine | None = None
     memory: Memory | None = None
@@ -116,7 +121,10 @@ class RuntimeReport:
             "specdecode_tok_s_runs": [round(x, 2) for x in self.ours_tok_s],
             "transformers_tok_s_runs": [round(x, 2) for x in self.hf_tok_s],
             "same_tokens": self.same_tokens,
+            "specdecode_eager_tok_s_runs": [round(x, 2) for x in self.ours_eager_tok_s],
+            "transformers_compiled_tok_s_runs": [round(x, 2) for x in self.hf_compiled_tok_s],
             "forward_ms_by_new_tokens": self.forward_ms,
+            "graph_forward_ms_by_new_tokens": self.graph_forward_ms,
             "bounds_ms_by_new_tokens": {t: self.bounds_ms(t) for t in self.forward_ms},
             "machine": None if self.machine is None else dataclasses.asdict(self.machine),
             "memory": None if self.memory is None else dataclasses.asdict(self.memory),
@@ -132,10 +140,61 @@ def forward_latency(
     return {t: round(1000 * statistics.median(s), 2) for t, s in seconds.items()}
 
 
-def run(model: str, dtype: str, new_tokens: int, repeats: int, threads: int | None) -> RuntimeReport:
+@torch.inference_mode()
+def graph_latency(
+    llm: LLM, widths: tuple[int, ...], context: int = 256, repeats: int = 20
+) -> dict[int, float]:
+    """On a GPU: median ms of one forward of T new tokens over `context` replayed from the
+    engine's captured graphs, with the greedy LM head on every row (what a decoding step runs)."""
+    from specdecode.attention import AttentionPlan, Segment
+    from specdecode.engine.paged_cache import PagedCache
+
+    engine, device = llm.engine, llm.model.device
+    assert engine.graphs is not None
+    cache = PagedCache(engine.storage, context + max(widths))
+    ids = torch.randint(0, llm.model.config.vocab_size, (context + max(widths),), device=device)
+    prompt = AttentionPlan([Segment.append(cache, context)])
+    llm.model.forward_plan(ids[None, :context], torch.arange(context, device=device)[None], prompt)
+    prompt.commit()
+    out = {}
+    for t in widths:
+        positions = torch.arange(context, context + t, device=device)
+        times = []
+        for i in range(repeats + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            hidden = engine.graphs.forward(ids[:t], positions, [Segment.append(cache, t)])
+            llm.model.greedy_rows(hidden)  # reads the tokens back: the host waits for the GPU
+            if i:  # the first captures the bucket's graph
+                times.append(time.perf_counter() - t0)
+        out[t] = round(1000 * statistics.median(times), 3)
+    cache.release()
+    return out
+
+
+def compiled(hf: torch.nn.Module) -> torch.nn.Module:
+    """transformers' recipe for fast decoding on a GPU: a static KV cache, with which `generate`
+    compiles the decoding forward itself (`torch.compile`, mode "reduce-overhead": CUDA graphs).
+    Wrapping `forward` in a second `torch.compile` on top breaks that (transformers 5.17: its
+    graphs' outputs are overwritten under the cache's update)."""
+    hf.generation_config.cache_implementation = "static"
+    return hf
+
+
+def run(
+    model: str,
+    dtype: str,
+    new_tokens: int,
+    repeats: int,
+    threads: int | None,
+    device: str | None = None,
+    compile_peer: bool = False,
+) -> RuntimeReport:
+    import copy
+
     from transformers import AutoModelForCausalLM
 
-    from specdecode.models.loader import resolve_dtype, resolve_model
+    from specdecode.models.loader import resolve_model
 
     if threads:
         torch.set_num_threads(threads)
@@ -143,12 +202,15 @@ def run(model: str, dtype: str, new_tokens: int, repeats: int, threads: int | No
     # once per process: warmed first, so that the difference is the model's own.
     torch.outer(torch.arange(4, device="meta").float(), torch.ones(2, device="meta")).cos()
     before = rss_mb()
-    llm = LLM(model=model, dtype=dtype)
+    llm = LLM(model=model, dtype=dtype, device=device)
     after = rss_mb()
-    # "auto" runs a GGUF's weights as stored: transformers runs the same weights dequantized
-    hf_dtype = resolve_dtype("float32" if dtype == "auto" else dtype)
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=hf_dtype)
+    gpu = llm.model.device.type == "cuda"
+    # The model's dtype (a GGUF run as stored computes in float32: transformers runs the same
+    # weights dequantized).
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=llm.model.dtype)
     hf = hf.to(llm.model.device).eval()
+    hf_fast = compiled(copy.deepcopy(hf)) if gpu and compile_peer else None
+    eager = llm.new_engine(dataclasses.replace(llm.engine.config, cuda_graphs=False)) if gpu else None
     ids = llm.chat_prompt([{"role": "user", "content": PROMPT}])
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     report = RuntimeReport(model, dtype, torch.get_num_threads(), new_tokens)
@@ -157,22 +219,41 @@ def run(model: str, dtype: str, new_tokens: int, repeats: int, threads: int | No
     def ours() -> list[int]:
         return llm.generate([ids], params)[0].token_ids
 
-    def theirs() -> list[int]:
-        out = hf.generate(
+    def ours_eager() -> list[int]:
+        engine, llm.engine = llm.engine, eager
+        try:
+            return llm.generate([ids], params)[0].token_ids
+        finally:
+            llm.engine = engine
+
+    def generate(m: torch.nn.Module) -> list[int]:
+        out = m.generate(  # type: ignore[operator]
             input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
         )
         return out[0, len(ids) :].tolist()
 
-    ours(), theirs()  # warm-up
+    runs = [(ours, report.ours_tok_s), (lambda: generate(hf), report.hf_tok_s)]
+    if gpu:
+        runs.append((ours_eager, report.ours_eager_tok_s))
+    if hf_fast is not None:
+        runs.append((lambda: generate(hf_fast), report.hf_compiled_tok_s))
+    for fn, _ in runs:  # warm-up (and compilation)
+        fn()
     for _ in range(repeats):
-        for fn, sink in ((ours, report.ours_tok_s), (theirs, report.hf_tok_s)):
-            llm.engine.clear_prefix_cache()  # each run prefills its prompt, as transformers' does
+        for fn, sink in runs:
+            for engine in (llm.engine, eager):
+                if engine is not None:  # each run prefills its prompt, as transformers' does
+                    engine.clear_prefix_cache()
+            if gpu:
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             tokens = fn()
             sink.append(len(tokens) / (time.perf_counter() - t0))
     # min_new_tokens masks end-of-sequence in transformers, ignore_eos in ours: same rule, same tokens
-    report.same_tokens = ours() == theirs()
+    report.same_tokens = ours() == generate(hf)
     report.forward_ms = forward_latency(llm, LATENCY_WIDTHS)
+    if gpu:
+        report.graph_forward_ms = graph_latency(llm, LATENCY_WIDTHS)
     report.machine = machine(llm)
     if before is not None and after is not None:
         report.memory = Memory(round(before, 1), round(after, 1), file_mb(model))
@@ -193,18 +274,32 @@ def print_report(report: RuntimeReport) -> None:
     print(f"  specdecode    {d['specdecode_tok_s_median']:>8} tok/s  (runs {d['specdecode_tok_s_runs']})")
     print(f"  transformers  {d['transformers_tok_s_median']:>8} tok/s  (runs {d['transformers_tok_s_runs']})")
     print(f"  speedup       {d['speedup']:>8}x    same greedy tokens: {report.same_tokens}")
+    if report.ours_eager_tok_s:
+        eager = statistics.median(report.ours_eager_tok_s)
+        runs = d["specdecode_eager_tok_s_runs"]
+        print(f"  specdecode without CUDA graphs       {eager:>8.2f} tok/s  (runs {runs})")
+    if report.hf_compiled_tok_s:
+        fast = statistics.median(report.hf_compiled_tok_s)
+        ours = d["specdecode_tok_s_median"]
+        print(f"  transformers static cache + compile  {fast:>8.2f} tok/s  (ours {ours / fast:.2f}x)")
     print("  forward + greedy LM head latency (ms) by new tokens over a 256-token context:")
     print("    " + "  ".join(f"T={t}: {ms}" for t, ms in report.forward_ms.items()))
+    if report.graph_forward_ms:
+        print("  the same from captured CUDA graphs (ms):")
+        print("    " + "  ".join(f"T={t}: {ms}" for t, ms in report.graph_forward_ms.items()))
     m = report.machine
     if m is not None:
         print(
             f"  bounds ({m.kernels} kernels, {m.weight_bytes / 1e6:.1f} MB of {m.weight_params / 1e6:.1f}M"
             f" weights read at {m.bandwidth / 1e9:.1f} GB/s, peak {m.peak_flops / 1e9:.0f} GFLOP/s):"
         )
-        for t, ms in report.forward_ms.items():
+        for t, ms in (report.graph_forward_ms or report.forward_ms).items():
             mem, comp = report.bounds_ms(t)  # type: ignore[misc]
             over = ms / max(mem, comp)
-            print(f"    T={t}: {ms} ms  memory bound {mem:.2f}  compute bound {comp:.2f} ({over:.2f}x bound)")
+            print(f"    T={t}: {ms} ms  memory bound {mem:.3f}  compute bound {comp:.3f} ({over:.2f}x bound)")
+        mem, _ = report.bounds_ms(1)  # type: ignore[misc]
+        share = d["specdecode_tok_s_median"] * mem / 1000
+        print(f"  plain decoding at {100 * share:.1f}% of the memory bound ({1000 / mem:.0f} tok/s)")
     if report.memory is not None:
         mem = report.memory
         file = f", file {mem.file_mb} MB" if mem.file_mb is not None else ""
@@ -214,6 +309,11 @@ def print_report(report: RuntimeReport) -> None:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="on a GPU, also time transformers with its static cache and torch.compile (minutes to compile)",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
 
 
@@ -221,7 +321,9 @@ def main_args(args: argparse.Namespace) -> None:
     for name in ("new_tokens", "repeats"):
         if getattr(args, name) < 1:
             raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    report = run(args.model, args.dtype, args.new_tokens, args.repeats, args.threads)
+    report = run(
+        args.model, args.dtype, args.new_tokens, args.repeats, args.threads, args.device, args.compile
+    )
     print_report(report)
     if args.json:
         with open(args.json, "w") as fh:

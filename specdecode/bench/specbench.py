@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -121,6 +122,9 @@ class Method:
     spec: SpecConfig | None
     peer: bool = False
     tallies: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
+    # transformers' plain greedy where it differs from ours: at the first token that differs,
+    # how far its own logits put its token above ours, in units of the dtype's rounding step there
+    tie_gaps: list[float] = field(default_factory=list)
 
     def total(self) -> Tally:
         out = Tally()
@@ -205,6 +209,18 @@ class PeerRunner:
         ends = [i for i, t in enumerate(tokens) if t in self.eos]
         return tokens[: ends[0] + 1] if ends else tokens
 
+    @torch.inference_mode()
+    def tie_gap(self, ids: list[int], theirs: list[int], ours: list[int]) -> float:
+        """At the first position where two greedy outputs differ, transformers' logit of its token
+        minus its logit of ours (one forward over the prompt and the common prefix), in rounding
+        steps of the model's dtype at that logit: within a step or two is a near-tie, which
+        another order of the same sums may break the other way."""
+        d = next(i for i, (a, b) in enumerate(zip(theirs, ours, strict=False)) if a != b)
+        logits = self.model(torch.tensor([ids + theirs[:d]], device=self.device)).logits[0, -1].float()
+        top = float(logits[theirs[d]])
+        step = torch.finfo(self.model.dtype).eps * 2.0 ** math.floor(math.log2(max(abs(top), 1e-30)))
+        return (top - float(logits[ours[d]])) / step
+
 
 def run(
     llm: LLM,
@@ -256,6 +272,10 @@ def run(
                 if reference is None:
                     reference = tokens  # plain decoding runs first
                 tally.mismatches = int(temperature == 0 and tokens != reference)
+                if m.peer and m.spec is None and tally.mismatches and len(tokens) > 1:
+                    common = min(len(tokens), len(reference))
+                    if tokens[:common] != reference[:common]:  # not one output ending early
+                        m.tie_gaps.append(runner.tie_gap(ids, tokens, reference))
                 m.tallies[cat].add(tally)
             history.append({"role": "assistant", "content": llm.tokenizer.decode(reference or [])})
             bar.update(1)
@@ -283,11 +303,13 @@ def report(methods: list[Method], temperature: float) -> dict[str, Any]:
                     else None,
                     "tau": round(t.tau, 3) if not m.peer else None,
                     "greedy_match": (t.mismatches == 0) if temperature == 0 else None,
+                    "mismatches": t.mismatches if temperature == 0 else None,
                     "outputs": t.outputs,
                     "tokens": t.tokens,
                 }
             )
-    return {"temperature": temperature, "rows": rows}
+    gaps = {m.label: [round(g, 2) for g in m.tie_gaps] for m in methods if m.tie_gaps}
+    return {"temperature": temperature, "rows": rows, "tie_gaps": gaps}
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -299,12 +321,17 @@ def print_table(result: dict[str, Any]) -> None:
     )
     for r in result["rows"]:
         tau = "" if r["tau"] is None else f"{r['tau']:.2f}"
-        match = "" if r["greedy_match"] is None else ("yes" if r["greedy_match"] else "NO")
+        match = "" if r["greedy_match"] is None else ("yes" if r["greedy_match"] else f"NO {r['mismatches']}")
         decode = "" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.2f}"
         decode_x = "" if r["decode_speedup"] is None else f"{r['decode_speedup']:.2f}x"
         print(
             f"{r['method']:<52} {r['category']:<15} {r['tokens_per_s']:>8.2f} "
             f"{r['speedup'] or 0:>7.2f}x {decode:>8} {decode_x:>8} {tau:>6} {match:>6}"
+        )
+    for label, gaps in result.get("tie_gaps", {}).items():
+        print(
+            f"{label} differs from ours on {len(gaps)} outputs: at the first token that differs its "
+            f"own logits put its token above ours by {gaps} rounding steps of the dtype"
         )
 
 
