@@ -356,8 +356,9 @@ class _Growth:
             u = torch.rand(q.shape, generator=self.generator, device=q.device).clamp_(1e-20, 1.0)
             gumbel = q.log() - (-u.log()).log()  # (R, V); -inf outside q's support
             tokens = gumbel.topk(k, dim=-1).indices  # (R, k): k draws without replacement, in order
+        # Read back once: on a GPU each element read is a wait for the device.
         logv = values.clamp(min=0).log().tolist()
-        ids = tokens if self.drafter.vocab is None else self.drafter.vocab[tokens]  # (R, k) token ids
+        ids = (tokens if self.drafter.vocab is None else self.drafter.vocab[tokens]).tolist()  # (R, k) ids
         out: list[list[int]] = []
         for row, parent in enumerate(parents):
             base = 0.0 if parent < 0 else self.nodes[parent].score
@@ -371,7 +372,7 @@ class _Growth:
                 if remaining is not None:
                     cond = remaining / remaining.sum()
                     remaining[tokens[row, r]] = 0.0
-                self.nodes.append(_Node(int(ids[row, r]), parent, depth, r, base + logv[row][r], cond))
+                self.nodes.append(_Node(ids[row][r], parent, depth, r, base + logv[row][r], cond))
                 made.append(len(self.nodes) - 1)
             out.append(made)
         return out
@@ -384,7 +385,8 @@ class _Growth:
         for i, node in enumerate(nodes):
             self.nodes[node].slot = start + i
         device = cache.k.device
-        mask = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool, device=device)
+        # Laid out on the host and copied once (on a GPU each element set is a launch).
+        mask = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)
         mask[:, : self.committed] = True
         for i, node in enumerate(nodes):
             walk = node
@@ -393,6 +395,7 @@ class _Growth:
                 if slot is not None:
                     mask[i, slot] = True
                 walk = self.nodes[walk].parent
+        mask = mask.to(device)
         tokens = torch.tensor([self.nodes[n].token for n in nodes], device=device)
         feats = torch.stack([self.guess[self.nodes[n].parent] for n in nodes])  # (R, C)
         depth = self.nodes[nodes[0]].depth
