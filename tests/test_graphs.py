@@ -11,7 +11,7 @@ import torch
 
 from specdecode import LLM, SamplingParams
 from specdecode.attention import AttentionPlan, Segment, tree_mask
-from specdecode.engine.graphs import MIN_COLUMNS, GraphRunner
+from specdecode.engine.graphs import MIN_COLUMNS, ROW_BUCKETS, GraphRunner
 from specdecode.engine.paged_cache import PagedCache, PagedKVStorage
 from specdecode.models.transformer import Transformer
 from specdecode.tree import DraftTree
@@ -72,6 +72,12 @@ def test_every_method_through_the_buffers_reproduces_plain_greedy(tiny_paths) ->
         assert [o.token_ids for o in llm.generate(PROMPTS, params, speculative=spec)] == plain, spec
         assert llm.generate(PROMPTS[:1], params, speculative=spec)[0].token_ids == plain[0], spec
     assert {rows for rows, _ in runner.graphs} >= {1, 4, 8}  # alone, batched, and drafts verified
+
+
+def test_capture_makes_every_bucket_up_to_the_columns_asked(model: Transformer) -> None:
+    runner = GraphRunner(model, PagedKVStorage(model.config, num_blocks=8, block_size=4), capture=False)
+    runner.capture_all(1024)
+    assert set(runner.graphs) == {(r, c) for r in ROW_BUCKETS for c in (MIN_COLUMNS, 512, 1024)}
 
 
 def test_runner_declines_what_no_bucket_holds(model: Transformer, tmp_path: Path) -> None:

@@ -217,9 +217,10 @@ class LLMEngine:
         )
         self.pool = self.storage.pool
         # Steps without prefill rows replay captured CUDA graphs (on a GPU, where the config allows).
-        self.graphs = (
-            GraphRunner(model, self.storage) if config.cuda_graphs and self.device.type == "cuda" else None
-        )
+        self.graphs = None
+        if config.cuda_graphs and self.device.type == "cuda":
+            self.graphs = GraphRunner(model, self.storage)
+            self.graphs.capture_all()
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.prefix_caching)
         self.sequences: dict[str, Sequence] = {}
         self.policy: SpeculationPolicy | None = None
