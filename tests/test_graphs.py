@@ -11,7 +11,9 @@ import torch
 
 from specdecode import LLM, SamplingParams
 from specdecode.attention import AttentionPlan, Segment, tree_mask
+from specdecode.engine.config import EngineConfig
 from specdecode.engine.graphs import MIN_COLUMNS, ROW_BUCKETS, GraphRunner
+from specdecode.engine.llm_engine import LLMEngine
 from specdecode.engine.paged_cache import PagedCache, PagedKVStorage
 from specdecode.models.transformer import Transformer
 from specdecode.tree import DraftTree
@@ -88,3 +90,14 @@ def test_runner_declines_what_no_bucket_holds(model: Transformer, tmp_path: Path
     assert not runner.takes([Segment.append(cache, 65)])  # more rows than the largest bucket
     other = PagedKVStorage(model.config, num_blocks=4, block_size=4)
     assert not runner.takes([Segment.append(PagedCache(other, 16), 1)])  # another storage
+
+
+def test_the_policys_curve_is_timed_as_the_engine_steps(model: Transformer) -> None:
+    """`LLMEngine.forward_seconds` times the widths its graphs hold through them (here run
+    eagerly) and the others through the model's forward, and gives its blocks back."""
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory=1 << 22, policy=False))
+    engine.graphs = GraphRunner(model, engine.storage, capture=False)
+    seconds = engine.forward_seconds([1, 4, 128], context=16, repeats=2)
+    assert set(seconds) == {1, 4, 128} and all(len(s) == 2 and min(s) > 0 for s in seconds.values())
+    assert set(engine.graphs.graphs) == {(1, MIN_COLUMNS), (4, MIN_COLUMNS)}  # 128 rows: no bucket
+    assert engine.pool.num_used == 0

@@ -140,38 +140,6 @@ def forward_latency(
     return {t: round(1000 * statistics.median(s), 2) for t, s in seconds.items()}
 
 
-@torch.inference_mode()
-def graph_latency(
-    llm: LLM, widths: tuple[int, ...], context: int = 256, repeats: int = 20
-) -> dict[int, float]:
-    """On a GPU: median ms of one forward of T new tokens over `context` replayed from the
-    engine's captured graphs, with the greedy LM head on every row (what a decoding step runs)."""
-    from specdecode.attention import AttentionPlan, Segment
-    from specdecode.engine.paged_cache import PagedCache
-
-    engine, device = llm.engine, llm.model.device
-    assert engine.graphs is not None
-    cache = PagedCache(engine.storage, context + max(widths))
-    ids = torch.randint(0, llm.model.config.vocab_size, (context + max(widths),), device=device)
-    prompt = AttentionPlan([Segment.append(cache, context)])
-    llm.model.forward_plan(ids[None, :context], torch.arange(context, device=device)[None], prompt)
-    prompt.commit()
-    out = {}
-    for t in widths:
-        positions = torch.arange(context, context + t, device=device)
-        times = []
-        for i in range(repeats + 1):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            hidden = engine.graphs.forward(ids[:t], positions, [Segment.append(cache, t)])
-            llm.model.greedy_rows(hidden)  # reads the tokens back: the host waits for the GPU
-            if i:  # the first captures the bucket's graph
-                times.append(time.perf_counter() - t0)
-        out[t] = round(1000 * statistics.median(times), 3)
-    cache.release()
-    return out
-
-
 def compiled(hf: torch.nn.Module) -> torch.nn.Module:
     """transformers' recipe for fast decoding on a GPU: a static KV cache, with which `generate`
     compiles the decoding forward itself (`torch.compile`, mode "reduce-overhead": CUDA graphs).
@@ -252,8 +220,9 @@ def run(
     # min_new_tokens masks end-of-sequence in transformers, ignore_eos in ours: same rule, same tokens
     report.same_tokens = ours() == generate(hf)
     report.forward_ms = forward_latency(llm, LATENCY_WIDTHS)
-    if gpu:
-        report.graph_forward_ms = graph_latency(llm, LATENCY_WIDTHS)
+    if llm.engine.graphs is not None:
+        seconds = llm.engine.graphs.seconds(list(LATENCY_WIDTHS), 256, 20)
+        report.graph_forward_ms = {t: round(1000 * statistics.median(s), 3) for t, s in seconds.items()}
     report.machine = machine(llm)
     if before is not None and after is not None:
         report.memory = Memory(round(before, 1), round(after, 1), file_mb(model))

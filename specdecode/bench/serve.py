@@ -142,7 +142,7 @@ def main_args(args: argparse.Namespace) -> None:
     if args.kv_cache_memory is not None:
         base["kv_cache_memory"] = args.kv_cache_memory
     print(f"measuring the forward-latency curve up to {args.max_batch_tokens} tokens ...", flush=True)
-    curve = LatencyCurve.measure(llm.model, args.max_batch_tokens)
+    curve = LatencyCurve.measure(llm.model, args.max_batch_tokens, timer=llm.engine.forward_seconds)
     points = tuple(zip(curve.tokens, curve.seconds, strict=True))
     print("  " + ", ".join(f"{t}: {s * 1e3:.0f} ms" for t, s in points), flush=True)
     configs = {

@@ -55,6 +55,7 @@ from specdecode.engine.policy import (
 )
 from specdecode.engine.scheduler import Scheduler, Sequence
 from specdecode.errors import SpecDecodeError
+from specdecode.models.latency import forward_seconds
 from specdecode.models.transformer import Transformer
 from specdecode.outputs import SpecStats, Timing
 from specdecode.request import Proposal, Request, RowSlice, StepPlan, StepResult, step_logprobs
@@ -229,7 +230,9 @@ class LLMEngine:
             self.policy = SpeculationPolicy(
                 LatencyCurve(curve)
                 if curve is not None
-                else lambda: LatencyCurve.measure(self.model, min(config.max_batch_tokens, CURVE_ROWS))
+                else lambda: LatencyCurve.measure(
+                    self.model, min(config.max_batch_tokens, CURVE_ROWS), timer=self.forward_seconds
+                )
             )
         self.stats = EngineStats(kv_blocks_total=num_blocks)
 
@@ -255,6 +258,19 @@ class LLMEngine:
         context_blocks = -(-self.model.config.max_position_embeddings // cfg.block_size)
         num = int(cfg.kv_cache_fraction * _free_memory(self.device)) // per_block
         return max(1, min(num, cfg.max_num_seqs * context_blocks))
+
+    def forward_seconds(self, widths: list[int], context: int, repeats: int) -> dict[int, list[float]]:
+        """`models.latency.forward_seconds` as this engine runs its steps: through its CUDA graphs
+        for the widths they hold (where the pool has the blocks), the model's forward for others."""
+        out: dict[int, list[float]] = {}
+        graphed = [t for t in widths if self.graphs is not None and t <= self.graphs.max_rows]
+        if graphed and self.pool.can_allocate(-(-(context + max(graphed)) // self.config.block_size)):
+            assert self.graphs is not None
+            out = self.graphs.seconds(graphed, context, repeats)
+        rest = [t for t in widths if t not in out]
+        if rest:
+            out |= forward_seconds(self.model, rest, context, repeats)
+        return out
 
     # ---- requests ------------------------------------------------------------------------------
 

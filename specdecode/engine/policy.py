@@ -41,6 +41,7 @@ import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -55,6 +56,9 @@ EXPLORE = 1.0  # standard errors of optimism in the acceptance estimates (`accep
 FORGET = 0.9  # per step without drafting, how much of a request's own acceptance counts remain
 PROBE_STEPS = 32  # steps a request is kept plain before it drafts one token to measure anew
 COST_SAMPLES = 9  # proposals a method's drafting cost is the lower median of
+
+# (widths, context, repeats) -> each width's timed seconds, as `models.latency.forward_seconds`
+Timer = Callable[[list[int], int, int], dict[int, list[float]]]
 
 
 class LatencyCurve:
@@ -75,15 +79,19 @@ class LatencyCurve:
 
     @classmethod
     @torch.inference_mode()
-    def measure(cls, model: Transformer, max_tokens: int, context: int = 64) -> LatencyCurve:
+    def measure(
+        cls, model: Transformer, max_tokens: int, context: int = 64, timer: Timer | None = None
+    ) -> LatencyCurve:
         """Time forwards of 1, 2, 4, ... `max_tokens` new tokens after a `context`-token prefix
-        (best of two after a warm-up each): a few seconds on a CPU for a small model."""
+        (best of two after a warm-up each): a few seconds on a CPU for a small model. `timer`
+        times them as the engine runs them (`LLMEngine.forward_seconds`: on a GPU its graphs);
+        by default the model's forward, as `models.latency.forward_seconds`."""
         # A model with a short context cannot hold `max_tokens` rows after a prefix: measure
         # what fits (the curve is extended linearly past its last point).
         max_tokens = max(1, min(max_tokens, model.config.max_position_embeddings // 2))
         sizes = sorted({min(2**i, max_tokens) for i in range(max_tokens.bit_length() + 1)})
         context = max(1, min(context, model.config.max_position_embeddings - max_tokens))
-        seconds = forward_seconds(model, sizes, context, repeats=2)
+        seconds = (timer or partial(forward_seconds, model))(sizes, context, 2)
         points = [(t, min(seconds[t])) for t in sizes]
         # A forward over more rows never takes less time: a point above a later one was slowed
         # by something else on the machine, so each keeps the least of itself and those after it.
