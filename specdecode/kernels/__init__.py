@@ -12,7 +12,8 @@ dtype or a library again. Three exist today:
   few-row float32 and bfloat16 matmuls on 32-column tiles (AVX-512), and, built per instruction
   set, a fused RMS norm, row attention and products of weights kept in GGUF block formats, where
   the CPU and a compiler allow;
-- `CUDA` (`cuda.py`): the exact ops on an NVIDIA GPU, with a probe of the card's bounds.
+- the GPU's (`cuda.py`): PyTorch's ops with rows padded so that a row's products do not depend
+  on the forward's size, a Triton row attention, and a probe of the card's bounds.
 
 Nothing outside this package calls a compiled library.
 """
@@ -67,9 +68,9 @@ def select(device: torch.device | str) -> Kernels:
     card's probe; elsewhere PyTorch's exact ops."""
     device = torch.device(device)
     if device.type == "cuda":
-        from specdecode.kernels.cuda import CUDA
+        from specdecode.kernels.cuda import cuda_kernels
 
-        return CUDA
+        return cuda_kernels()
     if device.type != "cpu":
         return EXACT
     switch = os.environ.get(ENV_SWITCH, "1")

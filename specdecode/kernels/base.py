@@ -40,9 +40,12 @@ class LinearKernel(Protocol):
 
 class AttendRows(Protocol):
     """Attention of listed rows over listed cache slots, straight from a paged or static cache,
-    rotary applied to the new rows inside (the CPU kernel's contract: see `cpu_isa.RowOps`)."""
+    rotary applied to the new rows inside (the CPU kernel's contract: see `cpu_isa.RowOps`), for
+    queries of `head_dims` and `dtypes` on a device of `device_type`."""
 
     head_dims: tuple[int, ...]
+    dtypes: tuple[torch.dtype, ...]
+    device_type: str
 
     def __call__(
         self,
@@ -131,6 +134,8 @@ class Kernels:
     - `rms_norm(x, weight, eps)`: for float32 inputs (others normalise in the layer).
     - `silu_mul(gate_up)`: (..., 2 I) -> SiLU(gate) * up (..., I), the SwiGLU MLP's middle.
     - `decoder`: a whole decoding forward's layers in one call, or None (see `DecoderRows`).
+    - `head`: the product of the LM head's float (C, V) weight as it is kept, or None for
+      `x @ W` (the GPU's pads its rows, as its linears do: see `kernels.cuda`).
     - `attend_rows`: the row-attention kernel, or None: then SDPA runs every segment.
     - `fast_bf16`: bfloat16 weights run faster than float32 ones here (what an "auto" draft
       model's dtype follows).
@@ -150,6 +155,7 @@ class Kernels:
     quant: QuantKernel | None = None
     probe: Probe | None = None
     decoder: DecoderRows | None = None
+    head: LinearKernel | None = None
 
     def linear_for(self, weight_t: Tensor) -> LinearKernel:
         """The first linear kernel that takes this (in, out) weight."""
@@ -160,12 +166,12 @@ class Kernels:
         return next(k for k in self.approx if k.accepts(weight_t))
 
     def attends(self, q: Tensor) -> bool:
-        """Whether `attend_rows` takes these queries (B, H, T, D): one float32 sequence row on the
-        kernel's device, a head size it was built for, no gradients wanted."""
+        """Whether `attend_rows` takes these queries (B, H, T, D): one sequence row of a dtype it
+        computes on its device, a head size it was built for, no gradients wanted."""
         return (
             self.attend_rows is not None
-            and q.dtype == torch.float32
-            and q.is_cpu
+            and q.dtype in self.attend_rows.dtypes
+            and q.device.type == self.attend_rows.device_type
             and q.shape[0] == 1
             and q.shape[-1] in self.attend_rows.head_dims
             and not (torch.is_grad_enabled() and q.requires_grad)

@@ -172,6 +172,8 @@ class RowOps:
     """Row attention (the `AttendRows` interface) and RMS norm of one instruction set's build."""
 
     head_dims: ClassVar[tuple[int, ...]] = HEAD_DIMS
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
+    device_type: ClassVar[str] = "cpu"
 
     def __init__(self, isa: str, lib: ctypes.CDLL) -> None:
         self.isa, self._lib = isa, lib

@@ -153,7 +153,9 @@ class LMHead:
             head = self._approx_head()[0]
             if not head.kernel.rounds_output:
                 return head(flat).view(*hidden.shape[:-1], -1)
-        return (flat @ w).view(*hidden.shape[:-1], -1).float()
+        head = self.kernels.head
+        logits = flat @ w if head is None else head.matmul(flat, w)
+        return logits.view(*hidden.shape[:-1], -1).float()
 
     def approx_logits(self, hidden: Tensor) -> Tensor:
         """(M, C) -> (M, V) float32 logits through the approximate copy of a float32 head (else
