@@ -133,7 +133,7 @@ class AttentionPlan:
         """The short segments through the row kernel in one call (rotary applied inside), the
         others through SDPA."""
         b, h, t, d = q.shape
-        out = torch.empty(b, t, h, d, dtype=q.dtype)  # (1, T, H, D): the o projection reads it without a copy
+        out = torch.empty(b, t, h, d, dtype=q.dtype, device=q.device)  # (1, T, H, D): o reads it as it is
         cache_k, cache_v = rows.cache.layer_slots(layer)  # type: ignore[misc]
         rows.kernel(
             q[0], k[0], v[0], cache_k, cache_v, rows.rows, rows.new_slots, rows.row_ptr, rows.idx, out[0],
@@ -169,13 +169,17 @@ class AttentionPlan:
 class StaticPlan:
     """A forward of at most `rows` new tokens over one paged storage, in buffers of fixed size:
     what a captured CUDA graph replays (`engine.graphs`), each step's plan written into the same
-    tensors by `fill`.
+    tensors by `fill`. The rows' keys and values go to their slots (`new_slots`); rows past the
+    plan are padding, which writes `scratch`, a slot no block owns.
 
-    The rows' keys and values go to their slots (`new_slots`); attention reads `slots` columns
-    gathered from the storage (`gather`: every segment's prefix and new slots, one after the
-    other) under a (rows, slots) mask in which each row sees its own segment's columns as its
-    `Segment` says. Columns and rows past the plan point at `scratch`, a slot no block owns:
-    padded rows write there and see only its column; no real row sees it."""
+    Attention reads the storage in one of two layouts, `by_rows` where the kernels' row attention
+    takes the queries (see `Kernels.attends`), else the other:
+    - by rows: each row's slots as CSR (`row_ptr`, `idx`: its prefix and its tree ancestors in
+      position order, as `_KernelRows` lays them out), read by the row kernel, whose result for
+      a row depends on that row's slots alone; `slots` bounds the slots of one row;
+    - by columns: `slots` columns gathered from the storage (`gather`: every segment's prefix and
+      new slots, one after the other) under a (rows, slots) mask in which each row sees its own
+      segment's columns as its `Segment` says, for SDPA; padded rows see the scratch column."""
 
     def __init__(
         self,
@@ -184,38 +188,55 @@ class StaticPlan:
         rows: int,
         slots: int,
         scratch: int,
+        by_rows: bool,
     ) -> None:
         self.keys, self.values, self.rows, self.slots, self.scratch = keys, values, rows, slots, scratch
+        self.by_rows = by_rows
         self.prefill_from = rows  # every row is a decoding step's
         device = keys.device
         self.new_slots = torch.full((rows,), scratch, dtype=torch.long, device=device)  # (T,)
-        self.gather = torch.full((slots,), scratch, dtype=torch.long, device=device)  # (S,)
-        self.mask = torch.zeros(rows, slots, dtype=torch.bool, device=device)  # (T, S)
-        self.mask[:, 0] = True
-
-    def columns(self, segments: list[Segment]) -> int:
-        """The gathered columns `segments` need."""
-        return sum(seg.start + seg.length for seg in segments)
+        if by_rows:
+            self.row_ids = torch.arange(rows, device=device)  # (T,) every row is computed
+            self.row_ptr = torch.arange(rows + 1, device=device)  # (T+1,) one slot a row until filled
+            self.idx = torch.full((rows * slots,), scratch, dtype=torch.long, device=device)  # (<= T*S,)
+        else:
+            self.gather = torch.full((slots,), scratch, dtype=torch.long, device=device)  # (S,)
+            self.mask = torch.zeros(rows, slots, dtype=torch.bool, device=device)  # (T, S)
+            self.mask[:, 0] = True
 
     def fill(self, segments: list[Segment]) -> None:
-        """Write the plan of `segments` (their rows in order, `rows` at most in all, `columns` at
-        most `slots`) into the buffers."""
+        """Write the plan of `segments` (their rows in order, `rows` at most in all; together at
+        most `slots` slots, prefixes and new ones) into the buffers."""
         self.new_slots.fill_(self.scratch)
-        self.gather.fill_(self.scratch)
-        self.mask.zero_()
+        if not self.by_rows:
+            self.gather.fill_(self.scratch)
+            self.mask.zero_()
         r = c = 0
+        counts, lists = [], []
         for seg in segments:
             end = seg.start + seg.length
             table = seg.cache.slot_table(end)  # (start+T,)
             self.new_slots[r : r + seg.length] = table[seg.start :]
-            self.gather[c : c + end] = table
             mask = seg.mask if seg.mask is not None else causal_mask(seg.start, seg.length, table.device)
-            self.mask[r : r + seg.length, c : c + end] = mask
+            if self.by_rows:
+                counts.append(mask.sum(1))
+                lists.append(table.expand(seg.length, -1)[mask])
+            else:
+                self.gather[c : c + end] = table
+                self.mask[r : r + seg.length, c : c + end] = mask
             r, c = r + seg.length, c + end
-        self.mask[r:, 0] = True  # padded rows see one column, so their softmax stays finite
+        if not self.by_rows:
+            self.mask[r:, 0] = True  # padded rows see one column, so their softmax stays finite
+            return
+        pad = self.rows - r  # each padded row sees the scratch slot alone
+        counts.append(torch.ones(pad, dtype=torch.long, device=self.idx.device))
+        lists.append(torch.full((pad,), self.scratch, dtype=torch.long, device=self.idx.device))
+        idx = torch.cat(lists)
+        self.idx[: idx.numel()] = idx
+        torch.cumsum(torch.cat(counts), 0, out=self.row_ptr[1:])
 
     def kernel_rows(self, *args: object) -> None:
-        """No row kernel: the layers run one by one (see `Transformer.forward_plan`)."""
+        """No one-call decoder: the layers run one by one (see `Transformer.forward_plan`)."""
         return None
 
     def attend(
@@ -228,9 +249,18 @@ class StaticPlan:
         sin: torch.Tensor,  # (1, 1, T, D)
         kernels: Kernels,
     ) -> torch.Tensor:
-        """Store the rows' keys/values and attend over the gathered columns: (1, H, T, D)."""
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        """Store the rows' keys/values and attend: (1, H, T, D)."""
         keys, values = self.keys[layer], self.values[layer]  # (H_kv, S_all, D)
+        if self.by_rows:
+            assert kernels.attend_rows is not None
+            b, h, t, d = q.shape
+            out = torch.empty(b, t, h, d, dtype=q.dtype, device=q.device)  # (1, T, H, D)
+            kernels.attend_rows(
+                q[0], k[0], v[0], keys, values, self.row_ids, self.new_slots, self.row_ptr, self.idx,
+                out[0], cos[0, 0], sin[0, 0],
+            )  # fmt: skip
+            return out.transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         keys.index_copy_(1, self.new_slots, k[0])
         values.index_copy_(1, self.new_slots, v[0])
         seen_k = keys.index_select(1, self.gather)[None]  # (1, H_kv, S, D)
@@ -280,14 +310,14 @@ class _KernelRows:
                 mask = seg.mask
                 if mask is None:
                     mask = causal_mask(seg.start, seg.length, table.device)
-                rows.append(torch.arange(at, at + seg.length))
+                rows.append(torch.arange(at, at + seg.length, device=table.device))
                 new_slots.append(table[seg.start :])
                 counts.append(mask.sum(1))
                 idx.append(table.expand(seg.length, -1)[mask])
             at += seg.length
         if not rows:
             return None
-        row_ptr = torch.zeros(sum(r.numel() for r in rows) + 1, dtype=torch.long)
+        row_ptr = torch.zeros(sum(r.numel() for r in rows) + 1, dtype=torch.long, device=first[0].device)
         torch.cumsum(torch.cat(counts), 0, out=row_ptr[1:])
         return cls(
             kernels.attend_rows,

@@ -1,9 +1,14 @@
 """The fixed-size forward that CUDA graphs replay (`engine.graphs`, `attention.StaticPlan`), run
-eagerly here so that any machine checks it: the same rows as the usual forward, nothing written
-outside the step's slots, and every method through it still reproducing plain greedy decoding."""
+eagerly here so that any machine checks it: the same rows as the usual forward (the same bits
+where the row kernel attends), nothing written outside the step's slots, every method through it
+still reproducing plain greedy decoding; and the GPU's Triton row attention, interpreted on the
+CPU where Triton is installed."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,12 +20,14 @@ from specdecode.engine.config import EngineConfig
 from specdecode.engine.graphs import MIN_COLUMNS, ROW_BUCKETS, GraphRunner
 from specdecode.engine.llm_engine import LLMEngine
 from specdecode.engine.paged_cache import PagedCache, PagedKVStorage
+from specdecode.kernels import REFERENCE
 from specdecode.models.transformer import Transformer
 from specdecode.tree import DraftTree
 from tests.test_speculative_api import PROMPTS, methods, tiny_paths  # noqa: F401 (a fixture)
 from tests.tiny import load_tiny_hf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+ROWS = ROW_BUCKETS[-1]
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +35,21 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Transformer:
     return load_tiny_hf(tmp_path_factory.mktemp("graphs"), "qwen2")
 
 
+def by_rows(model: Transformer) -> bool:
+    """Whether the buffers lay each row's slots out for the kernels' row attention."""
+    head = model.config.head_dim
+    return model.kernels.attends(torch.empty(1, 1, 0, head, dtype=model.dtype, device=model.device))
+
+
+@pytest.mark.parametrize("kernels", ["bound", "reference"])
 @torch.inference_mode()
-def test_static_plan_rows_equal_the_attention_plans(model: Transformer) -> None:
+def test_static_plan_rows_equal_the_attention_plans(model: Transformer, kernels: str, tmp_path: Path) -> None:
     """Two sequences in one step, a chain after a 7-token prefix and a tree after a 3-token one:
-    the buffers' forward gives the usual forward's rows and writes only the step's slots."""
+    the buffers' forward gives the usual forward's rows (bitwise, where both go through the row
+    kernel; SDPA over padded columns otherwise) and writes only the step's slots."""
+    if kernels == "reference":  # no row kernel: the buffers' columns layout, for SDPA
+        model = load_tiny_hf(tmp_path, "qwen2")
+        model.bind_kernels(REFERENCE)
     storage = PagedKVStorage(model.config, num_blocks=16, block_size=4)
     a, b = PagedCache(storage, 64), PagedCache(storage, 64)
     for cache, prompt in ((a, [5, 6, 7, 8, 9, 10, 11]), (b, [20, 21, 22])):
@@ -50,13 +68,16 @@ def test_static_plan_rows_equal_the_attention_plans(model: Transformer) -> None:
     runner = GraphRunner(model, storage, capture=False)
     got = runner.forward(ids, positions, segments)
     assert got.shape == want.shape == (7, model.config.hidden_size)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert set(runner.graphs) == {(8, MIN_COLUMNS)}  # 7 rows padded to 8, 14 columns to 256
+    if by_rows(model):
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert set(runner.graphs) == {(ROWS, MIN_COLUMNS)}  # 7 rows padded, 14 slots in the least bucket
 
     step = torch.cat([a.slot_table(10)[7:], b.slot_table(7)[3:]])  # the slots the step wrote
     others = torch.ones(storage.k.shape[2], dtype=torch.bool)
     others[step] = False
-    others[storage.scratch] = False  # the padded row's
+    others[storage.scratch] = False  # the padded rows'
     bits = storage.k.view(torch.int32)  # bit patterns: slots never written may hold NaNs
     assert torch.equal(bits[:, :, others], before_k.view(torch.int32)[:, :, others])
 
@@ -68,12 +89,50 @@ def test_every_method_through_the_buffers_reproduces_plain_greedy(tiny_paths) ->
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     usual = [o.token_ids for o in llm.generate(PROMPTS, params, speculative=None)]
     llm.engine.graphs = runner = GraphRunner(llm.model, llm.engine.storage, capture=False)
+    steps = 0
+    forward = runner.forward
+
+    def counted(*args: object) -> torch.Tensor:
+        nonlocal steps
+        steps += 1
+        return forward(*args)  # type: ignore[arg-type]
+
+    runner.forward = counted  # type: ignore[method-assign]
     plain = [o.token_ids for o in llm.generate(PROMPTS, params, speculative=None)]
-    assert plain == usual
+    assert plain == usual and steps >= 39  # every decoding step went through the buffers
     for spec in methods(tiny_paths[1]):
         assert [o.token_ids for o in llm.generate(PROMPTS, params, speculative=spec)] == plain, spec
         assert llm.generate(PROMPTS[:1], params, speculative=spec)[0].token_ids == plain[0], spec
-    assert {rows for rows, _ in runner.graphs} >= {1, 4, 8}  # alone, batched, and drafts verified
+
+
+@torch.inference_mode()
+def row_alone_and_among_others(model: Transformer, runner: GraphRunner) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden row of one sequence's next token computed alone, then again in a step beside
+    another sequence's five-token tree (as verification batches it)."""
+    storage, device = runner.storage, model.device
+    a, b = PagedCache(storage, 64), PagedCache(storage, 64)
+    for cache, prompt in ((a, [5, 6, 7, 8, 9, 10, 11]), (b, [20, 21, 22, 23])):
+        plan = AttentionPlan([Segment.append(cache, len(prompt))])
+        model.forward_plan(
+            torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device)[None], plan
+        )
+        plan.commit()
+    one = torch.tensor([12], device=device)
+    alone = runner.forward(one, torch.tensor([7], device=device), [Segment.append(a, 1)])
+    tree = DraftTree(torch.tensor([31, 32, 33, 34]), torch.tensor([0, 0, 1, 1])).to(device)
+    others = Segment.append(b, 5, tree_mask(b.length, tree.ancestor_mask()))
+    ids = torch.cat([torch.tensor([30], device=device), tree.tokens, one])
+    positions = torch.cat([4 + tree.depths(), torch.tensor([7], device=device)])
+    together = runner.forward(ids, positions, [others, Segment.append(a, 1)])
+    for cache in (a, b):
+        cache.release()
+    return alone[0], together[-1]
+
+
+def test_a_rows_bits_do_not_depend_on_its_step(model: Transformer) -> None:
+    storage = PagedKVStorage(model.config, num_blocks=16, block_size=4)
+    alone, together = row_alone_and_among_others(model, GraphRunner(model, storage, capture=False))
+    assert torch.equal(alone, together)
 
 
 def test_capture_makes_every_bucket_up_to_the_columns_asked(model: Transformer) -> None:
@@ -82,12 +141,12 @@ def test_capture_makes_every_bucket_up_to_the_columns_asked(model: Transformer) 
     assert set(runner.graphs) == {(r, c) for r in ROW_BUCKETS for c in (MIN_COLUMNS, 512, 1024)}
 
 
-def test_runner_declines_what_no_bucket_holds(model: Transformer, tmp_path: Path) -> None:
+def test_runner_declines_what_no_bucket_holds(model: Transformer) -> None:
     storage = PagedKVStorage(model.config, num_blocks=40, block_size=4)
     runner = GraphRunner(model, storage, capture=False)
     cache = PagedCache(storage, 128)
-    assert runner.takes([Segment.append(cache, 64)])
-    assert not runner.takes([Segment.append(cache, 65)])  # more rows than the largest bucket
+    assert runner.takes([Segment.append(cache, ROWS)])
+    assert not runner.takes([Segment.append(cache, ROWS + 1)])  # more rows than the largest bucket
     other = PagedKVStorage(model.config, num_blocks=4, block_size=4)
     assert not runner.takes([Segment.append(PagedCache(other, 16), 1)])  # another storage
 
@@ -99,5 +158,65 @@ def test_the_policys_curve_is_timed_as_the_engine_steps(model: Transformer) -> N
     engine.graphs = GraphRunner(model, engine.storage, capture=False)
     seconds = engine.forward_seconds([1, 4, 128], context=16, repeats=2)
     assert set(seconds) == {1, 4, 128} and all(len(s) == 2 and min(s) > 0 for s in seconds.values())
-    assert set(engine.graphs.graphs) == {(1, MIN_COLUMNS), (4, MIN_COLUMNS)}  # 128 rows: no bucket
+    assert set(engine.graphs.graphs) == {(ROWS, MIN_COLUMNS)}  # 128 rows: no bucket, the model's forward
     assert engine.pool.num_used == 0
+
+
+# ---- the GPU's row attention, interpreted ---------------------------------------------------------
+
+
+def test_triton_row_attention_interpreted() -> None:
+    """`check_triton_rows` in a process of its own: Triton's interpreter must be chosen before
+    Triton is first imported (it builds its language's functions for it then), and torch may
+    import Triton early."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    code = "from tests.test_graphs import check_triton_rows; check_triton_rows()"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def attend(rows_kernel, q, k, v, cache, slots_of_rows, new_slots, cos, sin):  # type: ignore[no-untyped-def]
+    """Run an AttendRows over rows whose visible slots are `slots_of_rows`: out (T, H, D) and the
+    cache after."""
+    ck, cv = (c.clone() for c in cache)
+    t, (h, _, d) = q.shape[1], q.shape
+    out = torch.zeros(t, h, d, dtype=q.dtype)
+    ptr = torch.tensor([0] + [len(s) for s in slots_of_rows]).cumsum(0)
+    idx = torch.tensor([s for row in slots_of_rows for s in row])
+    rows_kernel(q, k, v, ck, cv, torch.arange(t), torch.tensor(new_slots), ptr, idx, out, cos, sin)
+    return out, ck, cv
+
+
+def check_triton_rows() -> None:
+    """`kernels.cuda.TritonRows` on CPU tensors (under TRITON_INTERPRET=1): against SDPA row by
+    row (a chain over a prefix, then a tree's rows), and a row's result the same bits whatever
+    else the call holds or where its slots sit in the cache."""
+    from specdecode.kernels.cuda import TritonRows
+
+    triton_rows = TritonRows()
+    g = torch.Generator().manual_seed(0)
+    h, h_kv, d, s = 4, 2, 32, 80
+    cache = (torch.randn(h_kv, s, d, generator=g), torch.randn(h_kv, s, d, generator=g))
+    q = torch.randn(h, 3, d, generator=g)
+    k, v = torch.randn(h_kv, 3, d, generator=g), torch.randn(h_kv, 3, d, generator=g)
+    prefix = list(range(40))  # 40 cached slots, then the rows at 70, 71, 72: a root and two children
+    rows = [[*prefix, 70], [*prefix, 70, 71], [*prefix, 70, 72]]
+    angle = torch.randn(3, d, generator=g)
+    cos, sin = angle.cos(), angle.sin()
+    out, ck, cv = attend(triton_rows, q, k, v, cache, rows, [70, 71, 72], cos, sin)
+    half = d // 2
+    rotated_k = k * cos + torch.cat([-k[..., half:], k[..., :half]], -1) * sin
+    assert torch.equal(ck[:, 70:73], rotated_k) and torch.equal(cv[:, 70:73], v)
+    qr = q * cos + torch.cat([-q[..., half:], q[..., :half]], -1) * sin
+    for r, slots in enumerate(rows):
+        keys = ck[:, slots].repeat_interleave(h // h_kv, 0)  # (H, n, D)
+        values = cv[:, slots].repeat_interleave(h // h_kv, 0)
+        want = torch.nn.functional.scaled_dot_product_attention(qr[:, r : r + 1], keys, values)[:, 0]
+        torch.testing.assert_close(out[r], want, rtol=1e-5, atol=1e-5)
+    # Row 2 alone, its own slots moved elsewhere in the cache: the same bits.
+    moved = [*range(5, 45), 60, 75]  # the prefix, the root, the row itself
+    ck2, cv2 = torch.zeros_like(ck), torch.zeros_like(cv)
+    ck2[:, moved], cv2[:, moved] = ck[:, rows[2]], cv[:, rows[2]]
+    alone, *_ = attend(triton_rows, q[:, 2:], k[:, 2:], v[:, 2:], (ck2, cv2), [moved], [75], cos[2:], sin[2:])
+    assert torch.equal(alone[0], out[2])

@@ -1,11 +1,11 @@
 """Decoding and verification forwards replayed from captured CUDA graphs.
 
-On a GPU a small model's forward over a few new tokens is bound by launching its kernels (about
-ten a layer), not by its bytes or its arithmetic: SmolLM2's 30 layers take milliseconds to launch
+On a GPU a small model's forward over a few new tokens is bound by launching its kernels (dozens
+a layer), not by its bytes or its arithmetic: SmolLM2's 30 layers take milliseconds to launch
 and tens of microseconds to run. A captured graph launches them all at once. A graph replays
 fixed tensors, so each forward is written into buffers of fixed size (`attention.StaticPlan`):
-its rows padded to a bucket (`ROW_BUCKETS`), the cache slots its rows see gathered into a bucket
-of columns (powers of two from `MIN_COLUMNS`), one graph per pair, captured when first needed.
+its rows padded to a bucket (`ROW_BUCKETS`: one, 64 rows), the cache slots its rows see bounded
+by a bucket of columns (powers of two from `MIN_COLUMNS`), one graph per pair.
 Every step without prefill rows goes through them: one request's decoding or verification, or
 several requests' in one batch.
 
@@ -24,7 +24,12 @@ from specdecode.attention import AttentionPlan, Segment, StaticPlan
 from specdecode.engine.paged_cache import PagedCache, PagedKVStorage
 from specdecode.models.transformer import Transformer
 
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# Every step is computed as a forward of 64 rows, padded: on a GPU a kernel's order of sums
+# follows the tensor's shape (cuBLAS picks a product's kernel by it, a row norm's reduction too),
+# so a row's bits would otherwise depend on how many rows its step had, and a verification step
+# could break a near-tie otherwise than plain decoding does. It costs a one-token step ~20% on
+# an H200 (SmolLM2: 3.2 ms a replay at 1 row, 3.9 ms at 64).
+ROW_BUCKETS = (64,)
 MIN_COLUMNS = 256
 MAX_COLUMNS = 1 << 16  # past this many slots in one step the usual forward runs
 # Captured when the engine starts (`GraphRunner.capture_all`), every row bucket for contexts up to
@@ -138,7 +143,9 @@ class GraphRunner:
     def _make(self, rows: int, columns: int) -> _Graph:
         """The buffers of a bucket, and its graph where this runner captures."""
         s, device = self.storage, self.storage.device
-        plan = StaticPlan(s.k, s.v, rows, columns, s.scratch)
+        probe = torch.empty(1, 1, 0, self.model.config.head_dim, dtype=self.model.dtype, device=device)
+        by_rows = self.model.kernels.attends(probe)  # (B, H, T, D) queries, no data
+        plan = StaticPlan(s.k, s.v, rows, columns, s.scratch, by_rows)
         ids = torch.zeros(1, rows, dtype=torch.long, device=device)
         positions = torch.zeros(1, rows, dtype=torch.long, device=device)
         g = _Graph(plan, ids, positions)
