@@ -220,3 +220,22 @@ def check_triton_rows() -> None:
     ck2[:, moved], cv2[:, moved] = ck[:, rows[2]], cv[:, rows[2]]
     alone, *_ = attend(triton_rows, q[:, 2:], k[:, 2:], v[:, 2:], (ck2, cv2), [moved], [75], cos[2:], sin[2:])
     assert torch.equal(alone[0], out[2])
+
+
+@pytest.mark.parametrize(("dtype", "group", "head_dim"), [("bf16", 3, 64), ("bf16", 6, 128), ("fp16", 1, 64)])
+def test_triton_row_attention_builds_for_hopper(dtype: str, group: int, head_dim: int) -> None:
+    """The kernel compiles for an H100/H200 (sm_90) without a GPU, to machine code with no local
+    memory (no spilled registers): SmolLM2's heads, Qwen2.5-1.5B's, and one query head a group."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from specdecode.kernels.cuda import _row_attention, triton_pow2
+
+    kernel = _row_attention()
+    pointers = {"q": f"*{dtype}", "kc": f"*{dtype}", "vc": f"*{dtype}", "out": f"*{dtype}"}
+    pointers |= {"row_ptr": "*i64", "idx": "*i64", "scale": "fp32"}
+    consts = {"GROUP": group, "GP": triton_pow2(group), "D": head_dim, "BLOCK": 32 if head_dim <= 64 else 16}
+    signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=consts)
+    built = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    assert built.asm["cubin"] and ".local" not in built.asm["ptx"]

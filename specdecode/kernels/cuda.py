@@ -83,8 +83,8 @@ def _row_attention() -> Any:
         heads = kvh * GROUP + g
         qv = tl.load(q + heads[:, None] * q_sh + r * q_sr + d[None, :], mask=live[:, None], other=0.0)
         qv = qv.to(tl.float32)
-        lo = tl.load(row_ptr + r)
-        hi = tl.load(row_ptr + r + 1)
+        lo = tl.load(row_ptr + r).to(tl.int32)
+        hi = tl.load(row_ptr + r + 1).to(tl.int32)
         top = tl.full([GP], float("-inf"), tl.float32)
         total = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
