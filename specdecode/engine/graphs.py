@@ -140,6 +140,7 @@ class GraphRunner:
         cache.release()
         return out
 
+    @torch.no_grad()  # the engine may capture outside a step (`capture_all`): no autograd there
     def _make(self, rows: int, columns: int) -> _Graph:
         """The buffers of a bucket, and its graph where this runner captures."""
         s, device = self.storage, self.storage.device
