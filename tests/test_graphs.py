@@ -222,10 +222,14 @@ def check_triton_rows() -> None:
     assert torch.equal(alone[0], out[2])
 
 
-@pytest.mark.parametrize(("dtype", "group", "head_dim"), [("bf16", 3, 64), ("bf16", 6, 128), ("fp16", 1, 64)])
+SHAPES = [("bf16", 3, 64), ("bf16", 6, 128), ("fp16", 1, 64), ("fp32", 2, 16), ("fp32", 2, 8)]
+
+
+@pytest.mark.parametrize(("dtype", "group", "head_dim"), SHAPES)
 def test_triton_row_attention_builds_for_hopper(dtype: str, group: int, head_dim: int) -> None:
     """The kernel compiles for an H100/H200 (sm_90) without a GPU, to machine code with no local
-    memory (no spilled registers): SmolLM2's heads, Qwen2.5-1.5B's, and one query head a group."""
+    memory (no spilled registers): SmolLM2's heads, Qwen2.5-1.5B's, one query head a group, and
+    the tiny test models'."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 

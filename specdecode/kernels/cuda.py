@@ -112,7 +112,7 @@ class TritonRows:
     """`AttendRows` on the GPU: rotary applied to the rows' queries and keys, their keys and
     values stored at their slots, then the Triton kernel over each row's slots."""
 
-    head_dims: ClassVar[tuple[int, ...]] = (32, 64, 128)
+    head_dims: ClassVar[tuple[int, ...]] = (8, 16, 32, 64, 128)
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
     device_type: ClassVar[str] = "cuda"
 
