@@ -243,3 +243,17 @@ def test_triton_row_attention_builds_for_hopper(dtype: str, group: int, head_dim
     source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=consts)
     built = triton.compile(source, target=GPUTarget("cuda", 90, 32))
     assert built.asm["cubin"] and ".local" not in built.asm["ptx"]
+
+
+def test_padded_products_give_a_row_the_same_bits_in_any_step() -> None:
+    """The GPU's linear kernel (here on CPU tensors): x @ W (+ bias), each row computed as part
+    of 64 rows, so a row's bits do not depend on how many rows came with it."""
+    from specdecode.kernels.cuda import PADDED
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(70, 96, generator=g), torch.randn(96, 40, generator=g)
+    bias = torch.randn(40, generator=g)
+    torch.testing.assert_close(PADDED.matmul(x, w, bias), x @ w + bias)
+    alone = PADDED.matmul(x[:1], w)
+    for rows in (2, 5, 64):
+        assert torch.equal(PADDED.matmul(x[:rows], w)[:1], alone)

@@ -25,33 +25,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specdecode.kernels.reference import EXACT
+from specdecode.kernels.reference import EXACT, TorchLinear
 
 ROW_MULTIPLE = 64
 
 
-class PaddedLinear:
+class PaddedLinear(TorchLinear):
     """x @ W for W kept (in, out), computed over rows padded to a multiple of ROW_MULTIPLE."""
 
     name: ClassVar[str] = "torch-padded"
-    rounds_output: ClassVar[bool] = False
-
-    def accepts(self, weight_t: Tensor) -> bool:
-        return True
-
-    def pack(self, weight_t: Tensor) -> Tensor:
-        return weight_t
-
-    def unpack(self, packed: Tensor) -> Tensor:
-        return packed
 
     def matmul(self, x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
         m = x.shape[0]
         pad = -m % ROW_MULTIPLE
-        if pad:
-            x = F.pad(x, (0, 0, 0, pad))
-        y = x @ packed if bias is None else torch.addmm(bias, x, packed)
-        return y[:m] if pad else y
+        if not pad:
+            return super().matmul(x, packed, bias)
+        return super().matmul(F.pad(x, (0, 0, 0, pad)), packed, bias)[:m]
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
