@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdecode.kernels import AttendRows, Kernels
+from specdecode.kernels import AttendRows, Kernels, apply_rotary
 from specdecode.kv_cache import SequenceCache
 
 # Segments of at most this many new tokens (decoding, verification) attend through the row
@@ -37,13 +37,6 @@ def tree_mask(start: int, ancestors: torch.Tensor) -> torch.Tensor:
     return torch.cat([prefix, ancestors.bool()], dim=1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x (B, H, T, D), cos/sin (B, 1, T, D): rotate the two halves of each head
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
 @dataclass(frozen=True)
 class Segment:
     """`length` new tokens of one sequence, stored at slots `start..start+length-1` of `cache`.
@@ -56,6 +49,19 @@ class Segment:
     start: int
     length: int
     mask: torch.Tensor | None = None
+
+    def slots_seen(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot of each position 0 .. start+length-1 (start+T,) and which of them each new
+        token sees (T, start+T) bool (its causal or tree mask)."""
+        table = self.cache.slot_table(self.start + self.length)
+        mask = self.mask if self.mask is not None else causal_mask(self.start, self.length, table.device)
+        return table, mask
+
+    def row_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The segment's rows as a row kernel reads them: each row's own slot (T,), how many slots
+        it sees (T,), and those slots in position order, row after row (nnz,)."""
+        table, mask = self.slots_seen()
+        return table[self.start :], mask.sum(1), table.expand(self.length, -1)[mask]
 
     @classmethod
     def append(cls, cache: SequenceCache, length: int, mask: torch.Tensor | None = None) -> Segment:
@@ -214,17 +220,18 @@ class StaticPlan:
         r = c = 0
         counts, lists = [], []
         for seg in segments:
-            end = seg.start + seg.length
-            table = seg.cache.slot_table(end)  # (start+T,)
-            self.new_slots[r : r + seg.length] = table[seg.start :]
-            mask = seg.mask if seg.mask is not None else causal_mask(seg.start, seg.length, table.device)
             if self.by_rows:
-                counts.append(mask.sum(1))
-                lists.append(table.expand(seg.length, -1)[mask])
+                own, count, seen = seg.row_slots()
+                counts.append(count)
+                lists.append(seen)
             else:
-                self.gather[c : c + end] = table
-                self.mask[r : r + seg.length, c : c + end] = mask
-            r, c = r + seg.length, c + end
+                table, mask = seg.slots_seen()  # (start+T,), (T, start+T)
+                own = table[seg.start :]
+                self.gather[c : c + table.numel()] = table
+                self.mask[r : r + seg.length, c : c + table.numel()] = mask
+                c += table.numel()
+            self.new_slots[r : r + seg.length] = own
+            r += seg.length
         if not self.by_rows:
             self.mask[r:, 0] = True  # padded rows see one column, so their softmax stays finite
             return
@@ -306,14 +313,11 @@ class _KernelRows:
             )
             fast.append(ok)
             if ok:
-                table = seg.cache.slot_table(seg.start + seg.length)  # (start+T,)
-                mask = seg.mask
-                if mask is None:
-                    mask = causal_mask(seg.start, seg.length, table.device)
-                rows.append(torch.arange(at, at + seg.length, device=table.device))
-                new_slots.append(table[seg.start :])
-                counts.append(mask.sum(1))
-                idx.append(table.expand(seg.length, -1)[mask])
+                own, count, seen = seg.row_slots()
+                rows.append(torch.arange(at, at + seg.length, device=own.device))
+                new_slots.append(own)
+                counts.append(count)
+                idx.append(seen)
             at += seg.length
         if not rows:
             return None

@@ -15,13 +15,13 @@ the path the tests compare with the usual forward.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
-from specdecode.attention import AttentionPlan, Segment, StaticPlan
+from specdecode.attention import Segment, StaticPlan
 from specdecode.engine.paged_cache import PagedCache, PagedKVStorage
+from specdecode.models.latency import forward_seconds
 from specdecode.models.transformer import Transformer
 
 # Every step is computed as a forward of 64 rows, padded: on a GPU a kernel's order of sums
@@ -114,31 +114,22 @@ class GraphRunner:
         assert out is not None
         return out[0, :t].clone()  # the next replay overwrites `out`; drafters keep rows
 
-    @torch.inference_mode()
     def seconds(self, widths: list[int], context: int, repeats: int) -> dict[int, list[float]]:
-        """`models.latency.forward_seconds` through the graphs: for each T in `widths` (at most
-        `max_rows`), the seconds of `repeats` replays over a `context`-token prefix, each with the
-        greedy LM head on every row, after one untimed one (which captures the bucket's graph
-        where it is new). The storage's pool must have the blocks; they are given back."""
-        device = self.storage.device
+        """`models.latency.forward_seconds` through the graphs (`widths` at most `max_rows`; the
+        first of each width captures its bucket's graph where it is new). The storage's pool must
+        have the blocks; they are given back."""
         cache = PagedCache(self.storage, context + max(widths))
-        ids = torch.randint(0, self.model.config.vocab_size, (context + max(widths),), device=device)
-        prompt = AttentionPlan([Segment.append(cache, context)])
-        self.model.forward_plan(ids[None, :context], torch.arange(context, device=device)[None], prompt)
-        prompt.commit()
-        out: dict[int, list[float]] = {}
-        for t in widths:
-            positions = torch.arange(context, context + t, device=device)
-            times = []
-            for i in range(repeats + 1):
-                t0 = time.perf_counter()
-                hidden = self.forward(ids[:t], positions, [Segment.append(cache, t)])
-                self.model.greedy_rows(hidden)  # reads tokens back: the host waits for the device
-                if i:
-                    times.append(time.perf_counter() - t0)
-            out[t] = times
-        cache.release()
-        return out
+        try:
+            return forward_seconds(
+                self.model,
+                widths,
+                context,
+                repeats,
+                cache,
+                lambda ids, pos, seg: self.forward(ids, pos, [seg]),
+            )
+        finally:
+            cache.release()
 
     @torch.no_grad()  # the engine may capture outside a step (`capture_all`): no autograd there
     def _make(self, rows: int, columns: int) -> _Graph:

@@ -37,7 +37,7 @@ from specdecode.kernels.base import (
     QuantPart,
     QuantWeight,
 )
-from specdecode.kernels.reference import EXACT, REFERENCE, TORCH_LINEAR, dequantize, quantize
+from specdecode.kernels.reference import EXACT, REFERENCE, TORCH_LINEAR, apply_rotary, dequantize, quantize
 
 __all__ = [
     "EXACT",
@@ -53,6 +53,7 @@ __all__ = [
     "QuantKernel",
     "QuantPart",
     "QuantWeight",
+    "apply_rotary",
     "dequantize",
     "quantize",
     "select",

@@ -212,7 +212,7 @@ class RowOps:
     ) -> None:  # fmt: skip
         """Store the rows' new keys/values in the cache, then softmax(q k^T / sqrt(D)) v over each
         row's slots into `out`. With `cos`/`sin`, q and the new keys are rotated first (bitwise as
-        `attention.apply_rotary` does). D must be one of HEAD_DIMS."""
+        `reference.apply_rotary` does). D must be one of HEAD_DIMS."""
         h, _, d = q.shape
         hkv = k.shape[0]
         assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specdecode.kernels.reference import EXACT, TorchLinear
+from specdecode.kernels.reference import EXACT, TorchLinear, apply_rotary
 
 ROW_MULTIPLE = 64
 
@@ -41,12 +41,6 @@ class PaddedLinear(TorchLinear):
         if not pad:
             return super().matmul(x, packed, bias)
         return super().matmul(F.pad(x, (0, 0, 0, pad)), packed, bias)[:m]
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x (H, R, D), cos/sin (R, D): rotary over the two halves of each head
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 @functools.cache
@@ -125,8 +119,8 @@ class TritonRows:
         if r == 0:
             return
         c, s = cos[rows], sin[rows]  # (R, D)
-        qr = _rotate(q[:, rows], c, s).contiguous()  # (H, R, D)
-        cache_k[:, new_slots] = _rotate(k[:, rows], c, s)
+        qr = apply_rotary(q[:, rows], c, s).contiguous()  # (H, R, D)
+        cache_k[:, new_slots] = apply_rotary(k[:, rows], c, s)
         cache_v[:, new_slots] = v[:, rows]
         res = torch.empty(r, h, d, dtype=out.dtype, device=out.device)  # (R, H, D)
         group = h // h_kv

@@ -55,6 +55,13 @@ class TorchApprox:
         return y if bias is None else y + bias
 
 
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding over the two halves of each head: x (..., T, D) with cos/sin (T, D), or
+    any shapes that broadcast so ((B, H, T, D) with (B, 1, T, D))."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 

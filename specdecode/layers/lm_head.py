@@ -153,8 +153,8 @@ class LMHead:
             head = self._approx_head()[0]
             if not head.kernel.rounds_output:
                 return head(flat).view(*hidden.shape[:-1], -1)
-        head = self.kernels.head
-        logits = flat @ w if head is None else head.matmul(flat, w)
+        product = self.kernels.head
+        logits = flat @ w if product is None else product.matmul(flat, w)
         return logits.view(*hidden.shape[:-1], -1).float()
 
     def approx_logits(self, hidden: Tensor) -> Tensor:
