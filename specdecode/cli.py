@@ -120,6 +120,12 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="draft_model / prompt_lookup: the draft reads only each prompt's last N tokens (default: all)",
     )
+    g.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=None,
+        help="draft_model / prompt_lookup: the draft proposes only token ids below N (default: all)",
+    )
     g.add_argument("--prompt-lookup-num-tokens", type=int, default=None)
     g.add_argument("--max-matching-ngram-size", type=int, default=None)
     g.add_argument("--lookahead", type=_lookahead, default=None, metavar="W,N,G")
@@ -170,6 +176,7 @@ def speculative_settings(args: argparse.Namespace) -> dict[str, object] | None:
         "use_draft_logits",
         "draft_dtype",
         "draft_window",
+        "draft_vocab_size",
         "prompt_lookup_num_tokens",
         "max_matching_ngram_size",
         *MEDUSA_OPTIONS,

@@ -31,6 +31,11 @@ def _draft_window(method: str, value: Any) -> None:
         _positive(method, "draft_window", value)
 
 
+def _draft_vocab_size(method: str, value: Any) -> None:
+    if value is not None:  # null: the draft's whole vocabulary
+        _positive(method, "draft_vocab_size", value)
+
+
 def _positive(method: str, name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise SpecDecodeError(f"{method}: {name} must be a positive integer, got {value!r}")
@@ -52,6 +57,10 @@ class DraftModelConfig:
     `draft_window`: the draft reads only the last N tokens of each prompt (None: all of it): it
     prefills every prompt as the target does, and on a CPU a long prompt's prefill can cost the
     draft more than its drafts save. Output is unchanged.
+    `draft_vocab_size`: the draft proposes only token ids below N (None: its whole vocabulary),
+    reading N columns of its LM head a token instead of all. A byte-pair vocabulary numbers its
+    tokens in the order their merges were learnt, so the first ids are the common ones (Qwen2.5's
+    first 32768 of 151936 ids cover ~94% of tokens of Python source). Output is unchanged.
     """
 
     method: ClassVar[str] = "draft_model"
@@ -60,6 +69,7 @@ class DraftModelConfig:
     use_draft_logits: bool = True
     draft_dtype: str = "auto"
     draft_window: int | None = None
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.draft_model, str) or not self.draft_model:
@@ -67,6 +77,7 @@ class DraftModelConfig:
         _positive(self.method, "num_draft_tokens", self.num_draft_tokens)
         _draft_dtype(self.method, self.draft_dtype)
         _draft_window(self.method, self.draft_window)
+        _draft_vocab_size(self.method, self.draft_vocab_size)
         if not isinstance(self.use_draft_logits, bool):
             raise SpecDecodeError(
                 f"draft_model: use_draft_logits must be true or false, got {self.use_draft_logits!r}"
@@ -91,10 +102,12 @@ class PromptLookupConfig:
     use_draft_logits: bool = True
     draft_dtype: str = "auto"
     draft_window: int | None = None
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         _draft_dtype(self.method, self.draft_dtype)
         _draft_window(self.method, self.draft_window)
+        _draft_vocab_size(self.method, self.draft_vocab_size)
         _positive(self.method, "prompt_lookup_num_tokens", self.prompt_lookup_num_tokens)
         _positive(self.method, "max_matching_ngram_size", self.max_matching_ngram_size)
         _positive(self.method, "num_candidates", self.num_candidates)

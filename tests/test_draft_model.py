@@ -183,6 +183,35 @@ def test_draft_window_reads_the_prompts_end(target: Transformer) -> None:
             DraftModelConfig(draft_model="tiny", draft_window=bad)  # type: ignore[arg-type]
 
 
+def test_draft_vocab_size_proposes_the_first_ids(target: Transformer, drafts: dict[str, Transformer]) -> None:
+    """With a head over its first N ids the draft proposes only those, and its rows are
+    distributions over them (zero past N); greedy output stays plain decoding's."""
+    v = target.config.vocab_size
+    draft = drafts["smaller"]
+    head = draft.approx_head(torch.arange(40))
+    for prompt in PROMPTS.values():
+        drafter = DraftModelDrafter(config(3), draft, v, head=head)
+        assert (
+            run(target, prompt, drafter, greedy()).output_ids
+            == run(target, prompt, None, greedy()).output_ids
+        )
+    for temperature in (0.0, 1.0):
+        drafter = DraftModelDrafter(config(3), draft, v, head=head)
+        req = Request(
+            target, PROMPTS["mixed"], SamplingParams(max_tokens=8, temperature=temperature, seed=0), [], 3
+        )
+        drafter.begin(req, None)
+        tree = drafter.propose(req).tree
+        assert tree.num_nodes == 3 and bool((tree.tokens < 40).all())
+        if temperature:
+            q = tree.draft_probs
+            assert q is not None and q.shape == (3, v)
+            torch.testing.assert_close(q.sum(-1), torch.ones(3))
+            assert float(q[:, 40:].abs().sum()) == 0.0
+    with pytest.raises(SpecDecodeError, match="draft_vocab_size"):
+        DraftModelConfig(draft_model="tiny", draft_vocab_size=-1)
+
+
 def test_room_limits_the_draft(target: Transformer, drafts: dict[str, Transformer]) -> None:
     """Near the target's context the draft is clamped to the room left; with a draft whose
     context is shorter than the request, drafting stops and decoding goes on plainly."""
@@ -359,6 +388,9 @@ Factory = Callable[[Transformer, Transformer], Drafter | None]
 METHODS: dict[str, Factory] = {
     "draft model, draft logits": lambda t, d: DraftModelDrafter(config(2, True), d, SMALL_V),
     "draft model, token matching": lambda t, d: DraftModelDrafter(config(2, False), d, SMALL_V),
+    "draft model, its first 5 ids": lambda t, d: DraftModelDrafter(
+        config(2), d, SMALL_V, head=d.approx_head(torch.arange(5))
+    ),
     "prompt lookup": lambda t, d: PromptLookupDrafter(PromptLookupConfig(2, 2)),
     "prompt lookup + draft model": lambda t, d: PromptLookupDrafter(
         PromptLookupConfig(2, 2, num_draft_tokens=2), DraftModelDrafter(config(2), d, SMALL_V)
@@ -410,6 +442,7 @@ def test_exact_distribution_and_check_on_plain_sampling(small: Small) -> None:
 DEFAULT_N = {
     "draft model, draft logits": 2500,
     "draft model, token matching": 2000,
+    "draft model, its first 5 ids": 2000,
     "prompt lookup": 3000,
     "prompt lookup + draft model": 1500,
 }

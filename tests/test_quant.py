@@ -95,6 +95,29 @@ def test_fused_parts_in_several_formats(isa: str) -> None:
     assert torch.equal(kernel.dequantize(fused), torch.cat([kernel.dequantize(p) for p in parts], dim=1))
 
 
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "Q6_K"])
+def test_first_outputs_are_a_view_of_the_weight(isa: str, fmt: str) -> None:
+    """A weight's first n outputs (whole units of 32) share its memory and multiply to the first
+    n columns of its product, bit for bit (a draft reading part of its LM head); a cut inside a
+    unit, or past the weight, is refused."""
+    kernel = quant_kernel(isa)
+    assert kernel is not None
+    weight = kernel.pack(random_weight(fmt, 100, 512, seed=3))
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4))
+    whole = kernel.matmul(x, weight)  # (5, 100)
+    for n in (32, 64, 100):
+        first = kernel.first_outputs(weight, n)
+        assert first is not None and first.out_features == n
+        assert first.parts[0].data.data_ptr() == weight.parts[0].data.data_ptr()
+        assert first.nbytes <= weight.nbytes
+        for m in (1, 5):
+            assert torch.equal(kernel.matmul(x[:m], first), whole[:m, :n])
+    assert kernel.first_outputs(weight, 32).nbytes * 2 == kernel.first_outputs(weight, 64).nbytes
+    for n in (0, 20, 101):
+        assert kernel.first_outputs(weight, n) is None
+
+
 def test_a_kernel_takes_only_weights_in_its_layout() -> None:
     kernel = select("cpu").quant
     if kernel is None:

@@ -99,6 +99,11 @@ BAD = [
     ({"method": "lookahead", "window_size": 3, "ngram_size": 1, "verification_set_size": 2}, "(1, 1, 0)"),
     ("prompt_lookup", "must be a dictionary"),
     ({"method": "draft_model", "draft_model": "x", "draft_dtype": "fp8"}, "draft_dtype must be one of"),
+    (
+        {"method": "draft_model", "draft_model": "x", "draft_vocab_size": 0},
+        "draft_vocab_size must be a positive",
+    ),
+    ({"method": "prompt_lookup", "draft_vocab_size": "32k"}, "draft_vocab_size must be a positive"),
 ]
 
 
@@ -173,6 +178,8 @@ def test_cli_method_flags(tiny_paths, capsys: pytest.CaptureFixture[str]) -> Non
     window = ["--method", "draft_model", "--draft-model", str(tiny_paths[1]), "--draft-window", "2"]
     assert main([*base, *window]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
+    assert main([*base, *window[:4], "--draft-vocab-size", "64"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
     assert main([*base, "--method", "lookahead", "--num-draft-tokens", "3"]) == 2
     assert "unknown option num_draft_tokens" in capsys.readouterr().err
 
@@ -214,6 +221,44 @@ def test_draft_dtype(llm: LLM, tiny_paths, tmp_path: Path) -> None:
         llm.drafters.draft_model(str(checkpoint), "stored")
     assert llm.drafters.draft_model(draft, "float32").dtype == torch.float32
     assert llm.drafters.draft_model(draft, "bfloat16").dtype == torch.bfloat16
+
+
+def test_draft_vocab_size(tiny_paths) -> None:
+    """`draft_vocab_size` N: the draft reads its LM head's first N columns, made once and shared
+    by requests; for a head run as stored, the head's own blocks (a view, the same logits), else
+    a float copy of the columns. Greedy output stays plain's (every step drafts: policy off)."""
+    llm = LLM(model=str(tiny_paths[0]), device="cpu", progress=False, speculation_policy=False)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    drafts = [str(tiny_paths[1])]
+    if llm.model.kernels.quant is not None:
+        formats = {f"{name}.weight": "Q4_0" for name in (".attn_q", ".ffn_down", "output")}
+        q4 = write_tiny_gguf(tiny_paths[1].parent / "q4_head.gguf", "llama", seed=1, width=4, formats=formats)
+        drafts.append(str(q4.path))
+    hidden = torch.randn(2, 1, generator=torch.Generator().manual_seed(0))
+    stored = []
+    for draft in drafts:
+        spec = {"method": "draft_model", "draft_model": draft, "draft_vocab_size": 64}
+        outs = llm.generate(PROMPTS, params, speculative=spec)
+        assert [o.token_ids for o in outs] == plain, draft
+        assert sum(o.stats.num_draft_tokens for o in outs) > 0
+        drafter = llm.drafters.build(parse_speculative(spec))
+        again = llm.drafters.build(parse_speculative(spec))
+        assert drafter is not again and drafter.head is not None and drafter.head is again.head
+        model = llm.drafters.draft_model(draft)
+        x = hidden.expand(2, model.config.hidden_size).contiguous()  # (2, C)
+        got, whole = drafter.head(x), model.logits(x)  # (2, 64), (2, V)
+        assert got.shape == (2, 64)
+        stored.append(model.head.stored)
+        if model.head.stored:  # a view of the stored head: the same bits
+            assert torch.equal(got, whole[:, :64])
+            held = model.lm_head.quantized.parts[0].data.data_ptr()
+            assert drafter.head.dense.quantized.parts[0].data.data_ptr() == held
+        else:
+            torch.testing.assert_close(got, whole[:, :64], rtol=0.02, atol=0.02)
+    assert stored == [False, True][: len(drafts)]  # the Q4_0 head runs as stored where it can
+    whole_vocab = {"method": "draft_model", "draft_model": drafts[0], "draft_vocab_size": 10_000}
+    assert llm.drafters.build(parse_speculative(whole_vocab)).head is None  # past the vocabulary
 
 
 def test_draft_dtypes_name_every_quantization() -> None:

@@ -25,6 +25,7 @@ import torch
 from specdecode.drafters.base import Drafter, Proposal, StepResult
 from specdecode.errors import OutOfKVBlocks, SpecDecodeError
 from specdecode.kv_cache import SequenceCache
+from specdecode.layers.lm_head import DraftHead
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.models.transformer import Transformer
 from specdecode.sampling import logits_to_probs, sample
@@ -56,6 +57,9 @@ class DraftSettings(Protocol):
     @property
     def draft_window(self) -> int | None: ...
 
+    @property
+    def draft_vocab_size(self) -> int | None: ...
+
 
 class DraftModelDrafter(Drafter):
     """Drafts `num_draft_tokens` tokens a step with `draft`, a chain verified by the target.
@@ -69,7 +73,9 @@ class DraftModelDrafter(Drafter):
     Made per request; the engine calls `begin` after its prefill (here: the draft's own prefill
     of the prompt minus its last token); `propose` also starts it lazily if `begin` was skipped
     or the cache was released. Assumes `req.all_ids` only grows by appending (the engine's
-    contract). `new_cache` makes the draft's cache (see `DraftCacheFactory`).
+    contract). `new_cache` makes the draft's cache (see `DraftCacheFactory`). `head`: the
+    draft's LM head over its first Vh ids (`draft_vocab_size`, shared by the requests; None: the
+    whole head), the only tokens it then proposes.
     """
 
     def __init__(
@@ -78,6 +84,7 @@ class DraftModelDrafter(Drafter):
         draft: Transformer,
         target_vocab_size: int,
         new_cache: DraftCacheFactory = static_cache,
+        head: DraftHead | None = None,
     ) -> None:
         self.num_draft_tokens = config.num_draft_tokens
         self.use_draft_logits = config.use_draft_logits
@@ -86,6 +93,7 @@ class DraftModelDrafter(Drafter):
         self.target_vocab_size = target_vocab_size
         self.draft_vocab_size = draft.config.vocab_size
         self.shared_vocab = min(self.draft_vocab_size, target_vocab_size)
+        self.head = head
         self.max_nodes = self.num_draft_tokens
         self.new_cache = new_cache
         self.cache: SequenceCache | None = None
@@ -152,9 +160,9 @@ class DraftModelDrafter(Drafter):
         self._agreed = length
         greedy = req.params.greedy
         tokens: list[int] = []
-        rows: list[torch.Tensor] = []  # (shared_vocab,) each: what each token was drawn from
+        rows: list[torch.Tensor] = []  # (Vs,) each: what each token was drawn from
         for i in range(k):
-            logits = self.draft.logits(hidden)[: self.shared_vocab]  # (Vs,)
+            logits = self._logits(hidden)  # (Vs,)
             if greedy:
                 token = int(logits.argmax())
             else:
@@ -167,13 +175,19 @@ class DraftModelDrafter(Drafter):
         probs = None
         if rows and self.use_draft_logits:
             probs = torch.zeros(k, self.target_vocab_size, dtype=rows[0].dtype, device=rows[0].device)
-            probs[:, : self.shared_vocab] = torch.stack(rows)  # (K, V), zero past the shared ids
+            probs[:, : rows[0].shape[0]] = torch.stack(rows)  # (K, V), zero past the ids drafted from
         return Proposal(DraftTree.chain(torch.tensor(tokens, device=self.draft.device), probs))
 
     def observe(self, req: Request, result: StepResult) -> None:
         """Forget the rejected draft tokens: cut the cache to the prefix agreeing with the request."""
         if self.cache is not None:
             self._sync(req.all_ids[self._start :])
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(C,) -> (Vs,) float32: the logits of the ids the draft proposes from."""
+        if self.head is None:
+            return self.draft.logits(hidden)[: self.shared_vocab]
+        return self.head(hidden[None])[0, : self.shared_vocab]
 
     # ---- cache bookkeeping ---------------------------------------------------------------------
 

@@ -195,18 +195,31 @@ class DrafterFactory:
         return self.load(kind, where, target.dtype, make)
 
 
+def _draft_drafter(
+    f: DrafterFactory, spec: DraftModelConfig | PromptLookupConfig, cache: DraftCacheFactory
+) -> DraftModelDrafter:
+    assert spec.draft_model is not None
+    draft = f.draft_model(spec.draft_model, spec.draft_dtype)
+    n = spec.draft_vocab_size
+    head = None
+    if n is not None and n < draft.config.vocab_size:  # its first n columns, made once
+        head = f.load(
+            "draft_head",
+            spec.draft_model,
+            f"{spec.draft_dtype}:{n}",
+            lambda: draft.approx_head(torch.arange(n)),
+        )
+    return DraftModelDrafter(spec, draft, f.target.config.vocab_size, cache, head)
+
+
 @builder("draft_model")
 def _draft_model(f: DrafterFactory, spec: DraftModelConfig, cache: DraftCacheFactory) -> Drafter:
-    draft = f.draft_model(spec.draft_model, spec.draft_dtype)
-    return DraftModelDrafter(spec, draft, f.target.config.vocab_size, cache)
+    return _draft_drafter(f, spec, cache)
 
 
 @builder("prompt_lookup")
 def _prompt_lookup(f: DrafterFactory, spec: PromptLookupConfig, cache: DraftCacheFactory) -> Drafter:
-    fallback = None
-    if spec.draft_model is not None:
-        draft = f.draft_model(spec.draft_model, spec.draft_dtype)
-        fallback = DraftModelDrafter(spec, draft, f.target.config.vocab_size, cache)
+    fallback = None if spec.draft_model is None else _draft_drafter(f, spec, cache)
     return PromptLookupDrafter(spec, fallback)
 
 

@@ -274,3 +274,9 @@ class QuantKernel(Protocol):
     def dequantize(self, weight: QuantWeight) -> Tensor:
         """The whole weight dequantized, (in, out) float32."""
         ...
+
+    def first_outputs(self, weight: QuantWeight, n: int) -> QuantWeight | None:
+        """The weight's first `n` outputs as a weight of their own sharing its memory (its
+        products are the first n columns of the whole one's, bit for bit), or None where the
+        layout cannot cut there."""
+        ...

@@ -97,6 +97,16 @@ class QuantCPU:
     def dequantize(self, weight: QuantWeight) -> Tensor:
         return self.rows(weight, torch.arange(weight.out_features)).t()  # (in, out)
 
+    def first_outputs(self, weight: QuantWeight, n: int) -> QuantWeight | None:
+        # Units of 32 outputs follow each other in a part: the first n/32 are a prefix of its bytes.
+        self._check(weight)
+        first = weight.parts[0]
+        if not 0 < n <= first.rows or (n % UNIT and n != first.rows):
+            return None
+        fmt = QUANT_FORMATS[first.format][0]
+        size = self._lib.specdecode_qpacked_bytes(fmt, n, weight.in_features)
+        return QuantWeight(weight.in_features, (QuantPart(first.format, first.data[:size], LAYOUT, n),))
+
 
 def _mergeable(parts: tuple[QuantPart, ...]) -> list[list[QuantPart]]:
     """The parts in groups packed as one (one product a group, not one a part): neighbours in one

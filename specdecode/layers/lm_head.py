@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from specdecode.kernels import REFERENCE, TORCH_LINEAR, Kernels, LinearKernel, quantize
+from specdecode.kernels import REFERENCE, TORCH_LINEAR, Kernels, LinearKernel, QuantWeight, quantize
 from specdecode.layers.linear import Dense, Embedding
 
 # The block format drafters' copies of a stored head (and their own layers, beside a target that
@@ -51,9 +51,14 @@ class QuantizedHead:
     def of_columns(cls, weight_t: Tensor, fmt: str, kernels: Kernels) -> QuantizedHead:
         """(C, V') float columns held in the blocks of `fmt` (C is whole blocks: the stored
         head's own rows are): drafts read a byte a weight."""
+        return cls.of_weight(quantize(weight_t, fmt), kernels)
+
+    @classmethod
+    def of_weight(cls, weight: QuantWeight, kernels: Kernels) -> QuantizedHead:
         with torch.inference_mode(False), torch.no_grad():
-            dense = Dense(*weight_t.shape)
-            dense.load_quantized(quantize(weight_t, fmt))
+            with torch.device("meta"):  # its float parameter is dropped for the blocks
+                dense = Dense(weight.in_features, weight.out_features)
+            dense.load_quantized(weight)
             dense.bind_kernels(kernels)
         return cls(dense)
 
@@ -111,14 +116,20 @@ class LMHead:
 
     def subset(self, columns: Tensor | None) -> DraftHead:
         """A head over the vocabulary `columns` (V',) long (all where None) for a drafter to keep:
-        for a head that runs as stored, its columns in DRAFT_FORMAT blocks (read without a float
-        copy of the whole head; all of them: the head itself); approximate for a float32 head
-        where the kernels offer that; else exact."""
+        for a head that runs as stored, its first V' columns as they are stored (where `columns`
+        is 0 .. V'-1 and the layout can cut there), else its columns in DRAFT_FORMAT blocks (read
+        without a float copy of the whole head; all of them: the head itself); approximate for a
+        float32 head where the kernels offer that; else exact."""
         quant = self.kernels.quant
         if self.stored and quant is not None and DRAFT_FORMAT in quant.formats:
-            assert self._dense is not None
+            assert self._dense is not None and self._dense.quantized is not None
             if columns is None:  # the whole head: its own stored product, no second copy
                 return QuantizedHead(self._dense)
+            n = columns.numel()
+            if n and bool((columns.cpu() == torch.arange(n)).all()):
+                first = quant.first_outputs(self._dense.quantized, n)
+                if first is not None:  # a view of the head's own blocks, no copy
+                    return QuantizedHead.of_weight(first, self.kernels)
             return QuantizedHead.of_columns(self._dense.columns(columns.cpu()), DRAFT_FORMAT, self.kernels)
         head_t = self.weight_t().detach()
         if columns is not None:
