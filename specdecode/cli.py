@@ -74,6 +74,11 @@ def _lookahead(text: str) -> tuple[int, int, int]:
     return w, n, g
 
 
+def _vocab_size(text: str) -> int | str:
+    """--draft-vocab-size: a number of ids, or "auto" / "all" (checked with the other settings)."""
+    return text if text in ("auto", "all") else int(text) if text.lstrip("-").isdigit() else text
+
+
 def _json_arg(text: str, kinds: type | tuple[type, ...], expected: str) -> object:
     """`text` parsed as JSON of one of `kinds`, else an argparse error saying what was expected."""
     try:
@@ -122,9 +127,11 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--draft-vocab-size",
-        type=int,
+        type=_vocab_size,
         default=None,
-        help="draft_model / prompt_lookup: the draft proposes only token ids below N (default: all)",
+        metavar="N|auto|all",
+        help="draft_model / prompt_lookup: the draft proposes only token ids below N "
+        "(default auto: 32768 for a vocabulary over 65536)",
     )
     g.add_argument("--prompt-lookup-num-tokens", type=int, default=None)
     g.add_argument("--max-matching-ngram-size", type=int, default=None)

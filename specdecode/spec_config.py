@@ -32,8 +32,13 @@ def _draft_window(method: str, value: Any) -> None:
 
 
 def _draft_vocab_size(method: str, value: Any) -> None:
-    if value is not None:  # null: the draft's whole vocabulary
-        _positive(method, "draft_vocab_size", value)
+    if value not in ("auto", "all"):
+        try:
+            _positive(method, "draft_vocab_size", value)
+        except SpecDecodeError:
+            raise SpecDecodeError(
+                f'{method}: draft_vocab_size must be "auto", "all" or a positive integer, got {value!r}'
+            ) from None
 
 
 def _positive(method: str, name: str, value: Any) -> None:
@@ -57,10 +62,11 @@ class DraftModelConfig:
     `draft_window`: the draft reads only the last N tokens of each prompt (None: all of it): it
     prefills every prompt as the target does, and on a CPU a long prompt's prefill can cost the
     draft more than its drafts save. Output is unchanged.
-    `draft_vocab_size`: the draft proposes only token ids below N (None: its whole vocabulary),
-    reading N columns of its LM head a token instead of all. A byte-pair vocabulary numbers its
-    tokens in the order their merges were learnt, so the first ids are the common ones (Qwen2.5's
-    first 32768 of 151936 ids cover ~94% of tokens of Python source). Output is unchanged.
+    `draft_vocab_size`: the draft proposes only token ids below N, reading N columns of its LM
+    head a token instead of all ("all": its whole vocabulary; "auto": 32768 where the draft's
+    vocabulary is over 65536, else all). A byte-pair vocabulary numbers its tokens in the order
+    their merges were learnt, so the first ids are the common ones (Qwen2.5's first 32768 of
+    151936 ids cover ~94% of the tokens of Python source). Output is unchanged.
     """
 
     method: ClassVar[str] = "draft_model"
@@ -69,7 +75,7 @@ class DraftModelConfig:
     use_draft_logits: bool = True
     draft_dtype: str = "auto"
     draft_window: int | None = None
-    draft_vocab_size: int | None = None
+    draft_vocab_size: int | str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.draft_model, str) or not self.draft_model:
@@ -102,7 +108,7 @@ class PromptLookupConfig:
     use_draft_logits: bool = True
     draft_dtype: str = "auto"
     draft_window: int | None = None
-    draft_vocab_size: int | None = None
+    draft_vocab_size: int | str = "auto"
 
     def __post_init__(self) -> None:
         _draft_dtype(self.method, self.draft_dtype)

@@ -14,6 +14,7 @@ from torch import nn
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.drafters.medusa import save_heads
 from specdecode.drafters.redrafter import save_head
+from specdecode.engine.drafter_factory import draft_vocab
 from specdecode.models.loader import resolve_model
 from specdecode.models.transformer import Transformer
 from specdecode.spec_config import LookaheadConfig, parse_speculative
@@ -101,9 +102,12 @@ BAD = [
     ({"method": "draft_model", "draft_model": "x", "draft_dtype": "fp8"}, "draft_dtype must be one of"),
     (
         {"method": "draft_model", "draft_model": "x", "draft_vocab_size": 0},
-        "draft_vocab_size must be a positive",
+        'draft_vocab_size must be "auto", "all" or a positive',
     ),
-    ({"method": "prompt_lookup", "draft_vocab_size": "32k"}, "draft_vocab_size must be a positive"),
+    (
+        {"method": "prompt_lookup", "draft_vocab_size": "32k"},
+        'draft_vocab_size must be "auto", "all" or a positive',
+    ),
 ]
 
 
@@ -178,8 +182,11 @@ def test_cli_method_flags(tiny_paths, capsys: pytest.CaptureFixture[str]) -> Non
     window = ["--method", "draft_model", "--draft-model", str(tiny_paths[1]), "--draft-window", "2"]
     assert main([*base, *window]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
-    assert main([*base, *window[:4], "--draft-vocab-size", "64"]) == 0
-    assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
+    for vocab in ("64", "all"):
+        assert main([*base, *window[:4], "--draft-vocab-size", vocab]) == 0
+        assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
+    assert main([*base, *window[:4], "--draft-vocab-size", "many"]) == 2
+    assert 'draft_vocab_size must be "auto", "all" or a positive integer' in capsys.readouterr().err
     assert main([*base, "--method", "lookahead", "--num-draft-tokens", "3"]) == 2
     assert "unknown option num_draft_tokens" in capsys.readouterr().err
 
@@ -257,8 +264,11 @@ def test_draft_vocab_size(tiny_paths) -> None:
         else:
             torch.testing.assert_close(got, whole[:, :64], rtol=0.02, atol=0.02)
     assert stored == [False, True][: len(drafts)]  # the Q4_0 head runs as stored where it can
-    whole_vocab = {"method": "draft_model", "draft_model": drafts[0], "draft_vocab_size": 10_000}
-    assert llm.drafters.build(parse_speculative(whole_vocab)).head is None  # past the vocabulary
+    for whole in (10_000, "all", "auto"):  # past the vocabulary; all; auto for a small one
+        spec = {"method": "draft_model", "draft_model": drafts[0], "draft_vocab_size": whole}
+        assert llm.drafters.build(parse_speculative(spec)).head is None
+    assert draft_vocab("auto", 151_936) == 32_768 and draft_vocab("auto", 65_536) is None
+    assert draft_vocab("all", 151_936) is None and draft_vocab(1000, 151_936) == 1000
 
 
 def test_draft_dtypes_name_every_quantization() -> None:

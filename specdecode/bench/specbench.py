@@ -148,7 +148,7 @@ def _base_label(spec: SpecConfig | None) -> str:
         return "plain"
     if isinstance(spec, DraftModelConfig):
         window = f",window={spec.draft_window}" if spec.draft_window else ""
-        vocab = f",vocab={spec.draft_vocab_size}" if spec.draft_vocab_size else ""
+        vocab = f",vocab={spec.draft_vocab_size}" if spec.draft_vocab_size != "auto" else ""
         return f"draft_model[{spec.draft_model},k={spec.num_draft_tokens}{window}{vocab}]"
     if isinstance(spec, PromptLookupConfig):
         extra = f",draft={spec.draft_model}" if spec.draft_model else ""

@@ -81,6 +81,26 @@ AUTO_DRAFT_BITS = 5.5
 AUTO_DRAFT_FORMAT = "q4_0"
 
 
+# `DraftModelConfig.draft_vocab_size` "auto": a draft whose vocabulary is larger than
+# AUTO_DRAFT_VOCAB_OVER proposes from its first AUTO_DRAFT_VOCAB ids. Qwen2.5-Coder-0.5B (151936
+# ids) drafting for the 1.5B on the MT-Bench coding questions, three runs, decoding alone: 1.34x /
+# 1.39x / 1.40x plain with all, 1.44x / 1.41x / 1.40x with 32768 (its head took 1.16 ms of a 5.4 ms
+# draft token, 0.25 ms over 32768 columns, but 6% of tokens are out of its reach); 16384 lost tau
+# (3.14 -> 2.74, 1.33x).
+AUTO_DRAFT_VOCAB = 32768
+AUTO_DRAFT_VOCAB_OVER = 65536
+
+
+def draft_vocab(setting: int | str, vocab_size: int) -> int | None:
+    """The ids a draft model proposes from, as its first N (`draft_vocab_size`), or None for all
+    of its `vocab_size`."""
+    if setting == "auto":
+        setting = AUTO_DRAFT_VOCAB if vocab_size > AUTO_DRAFT_VOCAB_OVER else "all"
+    if setting == "all" or int(setting) >= vocab_size:
+        return None
+    return int(setting)
+
+
 class DrafterFactory:
     """Builds drafters for requests on `target`; loads draft models and heads once each.
 
@@ -200,9 +220,9 @@ def _draft_drafter(
 ) -> DraftModelDrafter:
     assert spec.draft_model is not None
     draft = f.draft_model(spec.draft_model, spec.draft_dtype)
-    n = spec.draft_vocab_size
+    n = draft_vocab(spec.draft_vocab_size, draft.config.vocab_size)
     head = None
-    if n is not None and n < draft.config.vocab_size:  # its first n columns, made once
+    if n is not None:  # its first n columns, made once
         head = f.load(
             "draft_head",
             spec.draft_model,
