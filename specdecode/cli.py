@@ -76,7 +76,7 @@ def _lookahead(text: str) -> tuple[int, int, int]:
 
 def _vocab_size(text: str) -> int | str:
     """--draft-vocab-size: a number of ids, or "auto" / "all" (checked with the other settings)."""
-    return text if text in ("auto", "all") else int(text) if text.lstrip("-").isdigit() else text
+    return int(text) if text.lstrip("-").isdigit() else text
 
 
 def _json_arg(text: str, kinds: type | tuple[type, ...], expected: str) -> object:

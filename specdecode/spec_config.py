@@ -32,13 +32,12 @@ def _draft_window(method: str, value: Any) -> None:
 
 
 def _draft_vocab_size(method: str, value: Any) -> None:
-    if value not in ("auto", "all"):
-        try:
-            _positive(method, "draft_vocab_size", value)
-        except SpecDecodeError:
-            raise SpecDecodeError(
-                f'{method}: draft_vocab_size must be "auto", "all" or a positive integer, got {value!r}'
-            ) from None
+    if value in ("auto", "all"):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecDecodeError(
+            f'{method}: draft_vocab_size must be "auto", "all" or a positive integer, got {value!r}'
+        )
 
 
 def _positive(method: str, name: str, value: Any) -> None:

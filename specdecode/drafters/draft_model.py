@@ -57,9 +57,6 @@ class DraftSettings(Protocol):
     @property
     def draft_window(self) -> int | None: ...
 
-    @property
-    def draft_vocab_size(self) -> int | None: ...
-
 
 class DraftModelDrafter(Drafter):
     """Drafts `num_draft_tokens` tokens a step with `draft`, a chain verified by the target.
