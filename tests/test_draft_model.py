@@ -118,10 +118,10 @@ class CountingDrafter(DraftModelDrafter):
         self.forwards.append([])
         return super().propose(req, budget)
 
-    def _feed(self, tokens: list[int]) -> torch.Tensor:
+    def _feed(self, tokens: list[int], prompt: bool = False) -> torch.Tensor:
         if tokens:
             self.forwards[-1].append(len(tokens))
-        return super()._feed(tokens)
+        return super()._feed(tokens, prompt)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])

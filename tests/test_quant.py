@@ -79,6 +79,46 @@ def test_avx2_and_avx512_give_the_same_bits(fmt: str) -> None:
         assert torch.equal(wide.matmul(x[:m], weight), narrow.matmul(x[:m], weight))
         prompt = wide.matmul(x[:m], weight, prefill=True)
         assert torch.equal(prompt, narrow.matmul(x[:m], weight, prefill=True))
+        draft = wide.approximate().matmul(x[:m], weight, prefill=True)  # integer sums, then the same floats
+        assert torch.equal(draft, narrow.approximate().matmul(x[:m], weight, prefill=True))
+
+
+def on_int8_grid(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """x (rows, cols) that int8 rounding per group of 32 keeps exactly: integers in [-127, 127]
+    times a power of two per group, each group's largest magnitude 127."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (rows, cols // 32, 32), generator=g).float()
+    q[:, :, 0] = 127.0 * torch.where(torch.rand(rows, cols // 32, generator=g) < 0.5, -1.0, 1.0)
+    scale = 2.0 ** torch.randint(-9, -3, (rows, cols // 32, 1), generator=g).float()
+    return (q * scale).reshape(rows, cols)
+
+
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
+def test_a_drafts_prompt_rows_in_int8(isa: str, fmt: str) -> None:
+    """`approximate()`'s prefill rows round x to int8 per group of 32 and sum x q in integers:
+    exact (to float rounding) where that rounding keeps x, close elsewhere; each row on its own;
+    its decoding rows, and Q8_0's prompt rows (signed quants: the float path), are the exact
+    kernel's, bit for bit."""
+    exact = quant_kernel(isa)
+    assert exact is not None
+    draft = exact.approximate()
+    assert draft.layout == exact.layout and draft.name != exact.name
+    weight = exact.pack(random_weight(fmt, 45, 512, seed=3))  # a unit padded
+    w = dequantize(random_weight(fmt, 45, 512, seed=3)).double()  # (in, out)
+    x = on_int8_grid(70, 512, seed=4)
+    want = x.double() @ w
+    pre = draft.matmul(x, weight, prefill=True)
+    torch.testing.assert_close(pre.double(), want, rtol=0, atol=1e-6 * float(want.abs().max()))
+    for m in (1, 5, 6, 7, 13):  # each register block size and a remainder
+        assert torch.equal(draft.matmul(x[:m], weight, prefill=True), pre[:m]), m
+    noisy = torch.randn(20, 512, generator=torch.Generator().manual_seed(5))
+    off = draft.matmul(noisy, weight, prefill=True).double() - noisy.double() @ w
+    assert float(off.norm() / (noisy.double() @ w).norm()) < 0.02
+    assert torch.equal(draft.matmul(noisy, weight), exact.matmul(noisy, weight))
+    if fmt == "Q8_0":
+        float_prefill = exact.matmul(noisy, weight, prefill=True)
+        assert torch.equal(draft.matmul(noisy, weight, prefill=True), float_prefill)
 
 
 @pytest.mark.parametrize("isa", isa_params())
@@ -318,6 +358,39 @@ def test_the_whole_decoder_in_one_call_gives_the_layers_bits(quant_gguf: Path) -
 
 
 # ---- drafter heads beside a target run as stored -------------------------------------------------
+
+
+def test_a_draft_model_reads_its_prompt_in_int8(quant_gguf: Path) -> None:
+    """A draft model runs on `Kernels.for_drafts()`: its prompt's rows take the int8 products,
+    in one decoder call as layer by layer (the same bits), close to the target's float ones; its
+    decoding rows are the target's, bit for bit; and speculation with it stays exact."""
+    llm = LLM(str(quant_gguf), progress=False)
+    if llm.model.kernels.quant is None:
+        pytest.skip("no quantized kernels here (no C++ compiler, or SPECDECODE_CPU_ISA=off)")
+    target, draft = llm.model, llm.drafters.draft_model(str(quant_gguf), "stored")
+    assert draft is not target and draft.kernels.name == f"{target.kernels.name}-draft"
+    ids = torch.tensor([[(7 * i) % 90 + 3 for i in range(40)]])
+
+    def hidden(model: torch.nn.Module, prompt: bool) -> torch.Tensor:
+        with torch.inference_mode():
+            return model(ids, torch.arange(40)[None], model.new_cache(64), prompt=prompt)[0]
+
+    one_call = hidden(draft, prompt=True)
+    decoder, draft.one_call.decoder = draft.one_call.decoder, None  # the layers one by one
+    try:
+        assert torch.equal(hidden(draft, prompt=True), one_call)
+    finally:
+        draft.one_call.decoder = decoder
+    exact = hidden(target, prompt=True)
+    assert not torch.equal(one_call, exact)
+    # (a random model's 2 layers magnify the rounding: 20% of the norm here; each product is
+    # checked against its exact sum in test_a_drafts_prompt_rows_in_int8)
+    assert float(torch.nn.functional.cosine_similarity(one_call, exact).mean()) > 0.9
+    assert torch.equal(hidden(draft, prompt=False), hidden(target, prompt=False))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = llm.generate([ids[0].tolist()], params, use_tqdm=False)[0].token_ids
+    spec = {"method": "draft_model", "draft_model": str(quant_gguf), "draft_dtype": "stored"}
+    assert llm.generate([ids[0].tolist()], params, use_tqdm=False, speculative=spec)[0].token_ids == plain
 
 
 def test_a_float_dense_quantized_holds_the_round_trip() -> None:

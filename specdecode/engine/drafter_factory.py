@@ -181,10 +181,13 @@ class DrafterFactory:
                 ModelConfig.from_dir(path).vocab_size,
             )
             if as_stored:
-                return load_target(path, "auto", self.target.device)
-            if isinstance(use, str):
-                return load_quantized(path, use, self.target.device)
-            return Transformer.from_dir(path, use, self.target.device)
+                model = load_target(path, "auto", self.target.device)
+            elif isinstance(use, str):
+                model = load_quantized(path, use, self.target.device)
+            else:
+                model = Transformer.from_dir(path, use, self.target.device)
+            model.bind_kernels(model.kernels.for_drafts())  # its prompt in int8 (a draft only proposes)
+            return model
 
         return self.load("draft_model", name, use, make)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -109,6 +109,10 @@ class DecoderRows(Protocol):
         prefill_from: int,  # rows from here on are a prompt's (`QuantKernel.matmul`)
     ) -> None: ...
 
+    def approximate(self) -> DecoderRows:
+        """This decoder with a prompt's rows computed as `QuantKernel.approximate`'s (a draft's)."""
+        ...
+
 
 class Probe(Protocol):
     """The best a kernel set does on this machine with `threads` threads."""
@@ -164,6 +168,15 @@ class Kernels:
     def approx_for(self, weight_t: Tensor) -> LinearKernel:
         """The first approximate kernel that takes this (in, out) weight."""
         return next(k for k in self.approx if k.accepts(weight_t))
+
+    def for_drafts(self) -> Kernels:
+        """The kernels a draft model runs on: these, with its prompt's products computed with less
+        precision where the quantized kernel has a faster way (`QuantKernel.approximate`). A
+        draft only proposes: the target's verification keeps output exact."""
+        if self.quant is None:
+            return self
+        decoder = None if self.decoder is None else self.decoder.approximate()
+        return replace(self, name=f"{self.name}-draft", quant=self.quant.approximate(), decoder=decoder)
 
     def attends(self, q: Tensor) -> bool:
         """Whether `attend_rows` takes these queries (B, H, T, D): one sequence row of a dtype it
@@ -279,4 +292,9 @@ class QuantKernel(Protocol):
         """The weight's first `n` outputs as a weight of their own sharing its memory (its
         products are the first n columns of the whole one's, bit for bit), or None where the
         layout cannot cut there."""
+        ...
+
+    def approximate(self) -> QuantKernel:
+        """A kernel of the same layout for a draft model, whose `prefill` rows may be computed
+        with less precision, faster (decoding rows as here); itself where it has no such way."""
         ...

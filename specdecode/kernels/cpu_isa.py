@@ -33,7 +33,12 @@ _BUILDS = {  # compiler flags of each instruction set's build
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
     "generic": (),
 }
+# Used where the CPU has them: AVX512-VNNI's int8 dot products (drafts' prefill rows: `quant.py`).
+_OPTIONAL = {"avx512": (("avx512_vnni", "-mavx512vnni"),)}
 HEAD_DIMS = (16, 32, 64, 128)  # head sizes the row attention is built for
+# quant_gemm.cpp's arithmetic of a product's rows: a decoding step's (each row's result the same in
+# any batch), a prompt's (float32 activations), a draft's prompt (int8 activations)
+DECODING, EXACT_PREFILL, INT8_PREFILL = 0, 1, 2
 LAYOUT = "tiles32"  # quant_gemm.cpp's: 32 outputs interleaved block by block (the same on every build)
 UNIT = 32  # outputs of one unit of that layout
 
@@ -44,7 +49,8 @@ def library(isa: str) -> ctypes.CDLL | None:
     cannot run it)."""
     if not build.isa_runs_here(isa):
         return None
-    lib = build.load(f"cpu-{isa}", _SOURCES, ("-std=c++20", "-ffp-contract=fast", *_BUILDS[isa]))
+    optional = [flag for cpu_flag, flag in _OPTIONAL.get(isa, ()) if cpu_flag in build.cpu_flags()]
+    lib = build.load(f"cpu-{isa}", _SOURCES, ("-std=c++20", "-ffp-contract=fast", *_BUILDS[isa], *optional))
     if lib is None:
         return None
     p, i, f, n = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -65,8 +71,9 @@ def library(isa: str) -> ctypes.CDLL | None:
     lib.specdecode_silu_mul.argtypes = [p, i, i, p]
     lib.specdecode_silu_mul.restype = None
     # records, layers; x, T, C, H, Hkv, D, I, eps; caches, head stride; rows, slots, count, CSR;
-    # cos, sin, scale; prefill_from, threads
+    # cos, sin, scale; prefill_from, prefill arithmetic, threads
     lib.specdecode_decoder_rows.argtypes = [p, n, p, i, i, i, i, i, i, f, p, i, p, p, i, p, p, p, p, f, i, n]
+    lib.specdecode_decoder_rows.argtypes += [n]
     lib.specdecode_decoder_rows.restype = n
     lib.specdecode_peak_flops.argtypes = [n, i]
     lib.specdecode_peak_flops.restype = ctypes.c_double
@@ -113,10 +120,15 @@ class Prepared:
 
 
 class Decoder:
-    """`DecoderRows` of one instruction set's build (`decoder.cpp`)."""
+    """`DecoderRows` of one instruction set's build (`decoder.cpp`); prompt rows take the prefill
+    arithmetic `prefill` (as `quant.QuantCPU`'s)."""
 
-    def __init__(self, lib: ctypes.CDLL, quant_layout: str) -> None:
-        self._lib, self._layout = lib, quant_layout
+    def __init__(self, lib: ctypes.CDLL, quant_layout: str, prefill: int = EXACT_PREFILL) -> None:
+        self._lib, self._layout, self.prefill = lib, quant_layout, prefill
+
+    def approximate(self) -> Decoder:
+        """This decoder with a draft's prompt rows read in int8 (`QuantCPU.approximate`)."""
+        return Decoder(self._lib, self._layout, INT8_PREFILL)
 
     def prepare(self, layers: Sequence[LayerWeights]) -> Prepared | None:
         if not layers:
@@ -157,7 +169,7 @@ class Decoder:
             p.records.data_ptr(), p.records.shape[0], x.data_ptr(), x.shape[0], p.c, p.heads, p.kv_heads,
             p.head_dim, p.width, p.eps, pointers.data_ptr(), stride, rows.data_ptr(), new_slots.data_ptr(),
             rows.shape[0], row_ptr.data_ptr(), idx.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            1.0 / math.sqrt(p.head_dim), prefill_from, torch.get_num_threads(),
+            1.0 / math.sqrt(p.head_dim), prefill_from, self.prefill, torch.get_num_threads(),
         )  # fmt: skip
         if done != 0:
             raise ValueError(f"decoder kernel: cannot run these layers (code {done})")

@@ -29,6 +29,8 @@
 // build whose plain loops the compiler vectorizes for its target (SSE2 on x86, NEON on ARM).
 #include <omp.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -147,6 +149,120 @@ inline V to_float(VI a) {
 }
 #endif
 
+// ---- int8 products (drafts' prefill rows: see "prefill rows with int8 activations") -----------------
+// W8: 64 bytes of quants, output c's four at 4c (of a tile's 16 outputs); X4: four int8 of a row of
+// x, broadcast; dot4 adds the four products of each output to its int32 lane (one instruction with
+// AVX512-VNNI). Without VNNI, `pairs` sums them two by two into int16 (unsigned 6-bit quants by
+// x in [-127, 127]: at most 16002, so that a few pairs' sums may be added in int16 before they are
+// widened), and `widen_add` adds both of an output's pair sums to its int32 lane.
+#if defined(__AVX512F__)
+inline VI to_int(V a) { return {_mm512_cvttps_epi32(a.v)}; }
+inline VI zero_i() { return {_mm512_setzero_si512()}; }
+inline VI add_i(VI a, VI b) { return {_mm512_add_epi32(a.v, b.v)}; }
+inline void store_i(uint8_t* p, VI a) { _mm512_storeu_si512(p, a.v); }
+struct W8 {
+    __m512i v;
+};
+inline W8 load_w8(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+struct X4 {
+    __m512i v;
+};
+inline X4 bcast4(const int8_t* x) {
+    int32_t v;
+    std::memcpy(&v, x, 4);
+    return {_mm512_set1_epi32(v)};
+}
+struct P {
+    __m512i v;
+};
+inline P pairs(W8 w, X4 x) { return {_mm512_maddubs_epi16(w.v, x.v)}; }
+inline P add16(P a, P b) { return {_mm512_add_epi16(a.v, b.v)}; }
+inline VI widen_add(VI acc, P p) { return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(p.v, _mm512_set1_epi16(1)))}; }
+#if defined(__AVX512VNNI__)
+constexpr bool VNNI = true;
+inline VI dot4(VI acc, W8 w, X4 x) { return {_mm512_dpbusd_epi32(acc.v, w.v, x.v)}; }
+#else
+constexpr bool VNNI = false;
+inline VI dot4(VI acc, W8 w, X4 x) { return widen_add(acc, pairs(w, x)); }
+#endif
+#elif defined(__AVX2__)
+inline VI to_int(V a) { return {_mm256_cvttps_epi32(a.lo), _mm256_cvttps_epi32(a.hi)}; }
+inline VI zero_i() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline VI add_i(VI a, VI b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+inline void store_i(uint8_t* p, VI a) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a.lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32), a.hi);
+}
+struct W8 {
+    __m256i lo, hi;
+};
+inline W8 load_w8(const uint8_t* p) {
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+struct X4 {
+    __m256i v;
+};
+inline X4 bcast4(const int8_t* x) {
+    int32_t v;
+    std::memcpy(&v, x, 4);
+    return {_mm256_set1_epi32(v)};
+}
+struct P {
+    __m256i lo, hi;
+};
+inline P pairs(W8 w, X4 x) { return {_mm256_maddubs_epi16(w.lo, x.v), _mm256_maddubs_epi16(w.hi, x.v)}; }
+inline P add16(P a, P b) { return {_mm256_add_epi16(a.lo, b.lo), _mm256_add_epi16(a.hi, b.hi)}; }
+inline VI widen_add(VI acc, P p) {
+    const __m256i one = _mm256_set1_epi16(1);
+    return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(p.lo, one)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(p.hi, one))};
+}
+constexpr bool VNNI = false;
+inline VI dot4(VI acc, W8 w, X4 x) { return widen_add(acc, pairs(w, x)); }
+#else
+inline VI to_int(V a) {
+    VI r;
+    for (int j = 0; j < 16; ++j) r.i[j] = int32_t(a.f[j]);
+    return r;
+}
+inline VI zero_i() { return VI{}; }
+inline VI add_i(VI a, VI b) {
+    for (int j = 0; j < 16; ++j) a.i[j] += b.i[j];
+    return a;
+}
+inline void store_i(uint8_t* p, VI a) { std::memcpy(p, a.i, sizeof(a.i)); }
+struct W8 {
+    uint8_t b[64];
+};
+inline W8 load_w8(const uint8_t* p) {
+    W8 w;
+    std::memcpy(w.b, p, 64);
+    return w;
+}
+struct X4 {
+    int32_t b[4];
+};
+inline X4 bcast4(const int8_t* x) { return {{x[0], x[1], x[2], x[3]}}; }
+struct P {
+    int32_t s[32];  // (no int16 limit to keep here: the sums are exact either way)
+};
+inline P pairs(W8 w, X4 x) {
+    P p;
+    for (int j = 0; j < 32; ++j) p.s[j] = w.b[2 * j] * x.b[2 * (j % 2)] + w.b[2 * j + 1] * x.b[2 * (j % 2) + 1];
+    return p;
+}
+inline P add16(P a, P b) {
+    for (int j = 0; j < 32; ++j) a.s[j] += b.s[j];
+    return a;
+}
+inline VI widen_add(VI acc, P p) {
+    for (int j = 0; j < 16; ++j) acc.i[j] += p.s[2 * j] + p.s[2 * j + 1];
+    return acc;
+}
+constexpr bool VNNI = false;
+inline VI dot4(VI acc, W8 w, X4 x) { return widen_add(acc, pairs(w, x)); }
+#endif
+
 #if !defined(__AVX2__)
 float half(const uint8_t* p) {  // IEEE binary16, little-endian, to float32 (exact)
     const uint16_t h = uint16_t(p[0] | p[1] << 8);
@@ -200,7 +316,8 @@ inline void nibbles(const uint8_t* p, V& lo, V& hi) {
 }
 
 // Each format: `weights` and `bytes` of a GGUF block; `packed`, the bytes of a tile's block (16
-// outputs' blocks, laid out again by `pack`, which takes the 16 outputs' GGUF blocks); `Group`,
+// outputs' blocks, laid out again by `pack`, which takes the 16 outputs' GGUF blocks); `bits`, of
+// a quant (unsigned, 0 .. 2^bits - 1, but Q8_0's, signed); `Group`,
 // a group of a tile's block ready to decode (`group` makes it), `quants`, step j's quants, and
 // `uniform`, whether both halves of a group share their scales.
 struct Uniform {
@@ -209,7 +326,7 @@ struct Uniform {
 };
 
 struct Q4_0_ : Uniform {  // d (16 x fp16), then 16 steps x 16 bytes of nibble pairs
-    static constexpr int weights = 32, bytes = 18, packed = TILE * bytes;
+    static constexpr int weights = 32, bytes = 18, packed = TILE * bytes, bits = 4;
     static void pack(const uint8_t* const* src, uint8_t* dst) {
         for (int c = 0; c < TILE; ++c) {
             std::memcpy(dst + 2 * c, src[c], 2);
@@ -224,7 +341,7 @@ struct Q4_0_ : Uniform {  // d (16 x fp16), then 16 steps x 16 bytes of nibble p
 };
 
 struct Q4_1_ : Uniform {  // d, m (16 x fp16 each), nibble pairs
-    static constexpr int weights = 32, bytes = 20, packed = TILE * bytes;
+    static constexpr int weights = 32, bytes = 20, packed = TILE * bytes, bits = 4;
     static void pack(const uint8_t* const* src, uint8_t* dst) {
         for (int c = 0; c < TILE; ++c) {
             std::memcpy(dst + 2 * c, src[c], 2);
@@ -240,7 +357,7 @@ struct Q4_1_ : Uniform {  // d, m (16 x fp16 each), nibble pairs
 };
 
 struct Q5_0_ {  // d, the fifth bits (16 x uint32: bit k of output c), nibble pairs
-    static constexpr int weights = 32, bytes = 22, packed = TILE * bytes;
+    static constexpr int weights = 32, bytes = 22, packed = TILE * bytes, bits = 5;
     static constexpr bool uniform = true;
     static void pack(const uint8_t* const* src, uint8_t* dst) {
         for (int c = 0; c < TILE; ++c) {
@@ -264,7 +381,7 @@ struct Q5_0_ {  // d, the fifth bits (16 x uint32: bit k of output c), nibble pa
 };
 
 struct Q8_0_ : Uniform {  // d, then 16 steps x (16 int8 at j, 16 at j + 16)
-    static constexpr int weights = 32, bytes = 34, packed = TILE * bytes;
+    static constexpr int weights = 32, bytes = 34, packed = TILE * bytes, bits = 8;  // signed
     static void pack(const uint8_t* const* src, uint8_t* dst) {
         for (int c = 0; c < TILE; ++c) {
             std::memcpy(dst + 2 * c, src[c], 2);
@@ -299,7 +416,7 @@ inline void q4_k_scale(const uint8_t* s, int g, int& sc, int& mn) {
 // GGUF keeps groups 2i and 2i + 1 as the low and high nibbles of the same 32 bytes; here each
 // group has its own, paired as the other formats' (weights j and j + 16 in a byte).
 struct Q4_K_ : Uniform {
-    static constexpr int weights = 256, bytes = 144, group_bytes = 32 + 256, packed = 64 + 8 * group_bytes;
+    static constexpr int weights = 256, bytes = 144, group_bytes = 32 + 256, packed = 64 + 8 * group_bytes, bits = 4;
     static void pack(const uint8_t* const* src, uint8_t* dst) {
         for (int c = 0; c < TILE; ++c) {
             const uint8_t* b = src[c];
@@ -335,7 +452,7 @@ struct Q4_K_ : Uniform {
 // bytes at 3c hold its quants of steps 2i and 2i + 1, each lo then hi, 6 bits apiece from bit 0. (Kept as GGUF splits them, 4 low bits and 2 high, a step
 // took 13 integer operations to put together, more than its multiply-adds at 4 rows.)
 struct Q6_K_ {
-    static constexpr int weights = 256, bytes = 210, group_bytes = 32 + 384, packed = 32 + 8 * group_bytes;
+    static constexpr int weights = 256, bytes = 210, group_bytes = 32 + 384, packed = 32 + 8 * group_bytes, bits = 6;
     static constexpr bool uniform = false;  // each half of a group has its own scale
     using Group = lanes_group;
     static void pack(const uint8_t* const* src, uint8_t* dst) {
@@ -669,6 +786,163 @@ void prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int
     }
 }
 
+// ---- prefill rows with int8 activations (drafts) --------------------------------------------------
+// A draft model only proposes, so its prompt may be read with less precision: each row of x is
+// rounded to int8 per group of 32 (scale max|x| / 127, as llama.cpp's Q8_0), and each group's
+// x·q summed exactly in int32 over unsigned quants (one VNNI instruction for 4 weights of 16
+// outputs, against 4 float multiply-adds), then scaled once: y = sum over groups of
+// a (dx sum x8 q) + b sum x, the second with the row's own float sums. Formats of 6-bit quants or
+// fewer (Q8_0's signed ones take the float prefill instead). A unit is decoded into scratch as
+// bytes: per group and tile, its scales (a_lo, a_hi, b_lo, b_hi: 64 floats), then 8 steps of
+// 4 weights (k = 32 g + 4 s + i) of the 16 outputs, output c's at 4c.
+constexpr int64_t I8_TILE = 64 * 4 + 8 * 64;  // bytes of a group and tile
+
+// x (M, K) -> int8 (M, K) and a scale per group of 32 (M, K/32): round(x / d), d = max|x| / 127.
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d) {
+    for (int64_t i = 0; i < M * (K / 32); ++i) {
+        const float* v = x + 32 * i;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[i] = amax / 127.0f;
+        for (int j = 0; j < 32; ++j) q[32 * i + j] = int8_t(std::nearbyint(v[j] * inv));
+    }
+}
+
+template <class F>
+void bytes_unit(const uint8_t* unit, int64_t K, uint8_t* w) {
+    each_group<F>(unit, K, [&](const typename F::Group& g0, const typename F::Group& g1) {
+        for (const typename F::Group* g : {&g0, &g1}) {
+            float* scales = reinterpret_cast<float*>(w);
+            storev(scales, g->a_lo), storev(scales + TILE, g->a_hi), storev(scales + 2 * TILE, g->b_lo);
+            storev(scales + 3 * TILE, g->b_hi);
+            uint8_t* q = w + 64 * 4;
+            VI lo[4], hi[4];
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; ++j) {  // steps 4s .. 4s + 3 are bytes 0..3 of step s (lo) and 4 + s (hi)
+                V l, h;
+                F::quants(*g, j, l, h);
+                const VI li = shl(to_int(l), 8 * (j % 4)), hi_ = shl(to_int(h), 8 * (j % 4));
+                lo[j % 4] = j % 4 ? or_(lo[j % 4 - 1], li) : li;
+                hi[j % 4] = j % 4 ? or_(hi[j % 4 - 1], hi_) : hi_;
+                if (j % 4 == 3) {
+                    store_i(q + 64 * (j / 4), lo[3]);
+                    store_i(q + 64 * (4 + j / 4), hi[3]);
+                }
+            }
+            w += I8_TILE;
+        }
+    });
+}
+
+// Steps [S0, S1) of a group of both tiles (t: their quant bytes) for R rows (x4: each row's group
+// of int8 x), added to acc. Without VNNI, L steps' pair sums are added in int16 before widening.
+template <int R, int S0, int S1, int L>
+inline void group_dots(const uint8_t* const (&t)[2], const int8_t* const (&x4)[R], VI (&acc)[R][2]) {
+    if constexpr (VNNI) {
+        for (int s = S0; s < S1; ++s) {
+            const W8 w[2] = {load_w8(t[0] + 64 * s), load_w8(t[1] + 64 * s)};
+            for (int r = 0; r < R; ++r) {
+                const X4 x = bcast4(x4[r] + 4 * s);
+                for (int c = 0; c < 2; ++c) acc[r][c] = dot4(acc[r][c], w[c], x);
+            }
+        }
+    } else {
+        for (int s0 = S0; s0 < S1; s0 += L) {
+            P p[R][2];
+            for (int s = s0; s < s0 + L && s < S1; ++s) {
+                const W8 w[2] = {load_w8(t[0] + 64 * s), load_w8(t[1] + 64 * s)};
+                for (int r = 0; r < R; ++r) {
+                    const X4 x = bcast4(x4[r] + 4 * s);
+                    for (int c = 0; c < 2; ++c) p[r][c] = s == s0 ? pairs(w[c], x) : add16(p[r][c], pairs(w[c], x));
+                }
+            }
+            for (int r = 0; r < R; ++r)
+                for (int c = 0; c < 2; ++c) acc[r][c] = widen_add(acc[r][c], p[r][c]);
+        }
+    }
+}
+
+// R rows of int8 x (xq (R, K), scales xd (R, K/32), float half sums xs (R, K/16)) over a unit
+// decoded by `bytes_unit`. L: steps whose int16 pair sums fit together (8 for 4-bit quants).
+template <int R, bool uniform, int L>
+__attribute__((noinline)) void int8_rows(const int8_t* xq, const float* xd, const float* xs, int64_t K,
+                                         const uint8_t* w, float* y, int64_t ldy, int valid) {
+    V out[R][2];
+    for (int r = 0; r < R; ++r) out[r][0] = out[r][1] = zero();
+    for (int64_t g = 0; g < K / 32; ++g, w += 2 * I8_TILE) {
+        const uint8_t* const t[2] = {w + 64 * 4, w + I8_TILE + 64 * 4};
+        const int8_t* x4[R];
+        for (int r = 0; r < R; ++r) x4[r] = xq + r * K + 32 * g;
+        VI lo[R][2], hi[R][2];
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < 2; ++c) lo[r][c] = hi[r][c] = zero_i();
+        if constexpr (uniform) {
+            group_dots<R, 0, 8, L>(t, x4, lo);
+        } else {
+            group_dots<R, 0, 4, L>(t, x4, lo);
+            group_dots<R, 4, 8, L>(t, x4, hi);
+        }
+        for (int c = 0; c < 2; ++c) {
+            const float* sc = reinterpret_cast<const float*>(w + c * I8_TILE);
+            for (int r = 0; r < R; ++r) {
+                const V d = set1(xd[r * (K / 32) + g]);
+                const float x_lo = xs[r * (K / 16) + 2 * g], x_hi = xs[r * (K / 16) + 2 * g + 1];
+                if constexpr (uniform) {
+                    out[r][c] = fma(loadv(sc), mul(to_float(lo[r][c]), d), out[r][c]);
+                    out[r][c] = fma(loadv(sc + 2 * TILE), set1(x_lo + x_hi), out[r][c]);
+                } else {
+                    out[r][c] = fma(loadv(sc), mul(to_float(lo[r][c]), d), out[r][c]);
+                    out[r][c] = fma(loadv(sc + TILE), mul(to_float(hi[r][c]), d), out[r][c]);
+                    out[r][c] = fma(loadv(sc + 2 * TILE), set1(x_lo), out[r][c]);
+                    out[r][c] = fma(loadv(sc + 3 * TILE), set1(x_hi), out[r][c]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) lanes_store<2>(out[r], y + r * ldy, valid);
+}
+
+#if defined(__AVX512F__)
+constexpr int IR = 6;  // int8 rows at a time
+#elif defined(__AVX2__)
+constexpr int IR = 2;
+#else
+constexpr int IR = 1;
+#endif
+
+template <class F>
+void int8_prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y,
+                          int64_t ldy, int threads) {
+    if constexpr (F::bits > 6) {
+        prefill_product<F>(x, M, K, w, N, y, ldy, threads);
+    } else {
+        constexpr int L = 8 >> (F::bits - 4);  // 4 bits: 8 x 3810 < 2^15; 5: 4 x 7874; 6: 2 x 16002
+        const int64_t unit_bytes = 2 * (K / F::weights) * F::packed;
+        const int64_t units = (N + UNIT - 1) / UNIT;
+        std::vector<int8_t> xq(size_t(M * K));
+        std::vector<float> xd(size_t(M * (K / 32))), xs(size_t(M * (K / 16)));
+        quantize_rows(x, M, K, xq.data(), xd.data());
+        half_sums(x, M, K, xs.data());
+#pragma omp parallel num_threads(threads)
+        {
+            std::vector<uint8_t> scratch(size_t(K / 32 * 2 * I8_TILE));
+            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            for (int64_t u = units * t / nt; u < units * (t + 1) / nt; ++u) {
+                const int64_t n0 = u * UNIT;
+                const int valid = int(N - n0 < UNIT ? N - n0 : UNIT);
+                bytes_unit<F>(w + u * unit_bytes, K, scratch.data());
+                int64_t r0 = 0;
+                by_rows<IR>(M, [&]<int R>() {
+                    int8_rows<R, F::uniform, L>(xq.data() + r0 * K, xd.data() + r0 * (K / 32), xs.data() + r0 * (K / 16),
+                                                K, scratch.data(), y + r0 * ldy + n0, ldy, valid);
+                    r0 += R;
+                });
+            }
+        }
+    }
+}
+
 template <class F>
 void product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t ldy,
              int threads) {
@@ -770,13 +1044,13 @@ using Product = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t
 struct Layout {
     int weights, packed;  // per block
     void (*pack)(const uint8_t*, int64_t, int64_t, uint8_t*);
-    Product product, prefill;
+    Product product, prefill, int8_prefill;
     void (*rows)(const uint8_t*, int64_t, const int64_t*, int64_t, float*);
 };
 
 template <class F>
 constexpr Layout layout() {
-    return {F::weights, F::packed, pack<F>, product<F>, prefill_product<F>, rows<F>};
+    return {F::weights, F::packed, pack<F>, product<F>, prefill_product<F>, int8_prefill_product<F>, rows<F>};
 }
 
 bool layout_of(int format, Layout* out) {
@@ -814,14 +1088,17 @@ int specdecode_qpack(int format, const uint8_t* src, int64_t N, int64_t K, uint8
 }
 
 // y[m * ldy + n] for the N rows of packed W, with the arithmetic of decoding rows (`prefill` 0:
-// each row's result the same in any batch) or of prefill rows (1). 0 when done; 1: a format this
-// file does not read; 2: K not a whole number of blocks.
+// each row's result the same in any batch), of prefill rows (1), or of a draft's prefill rows
+// (2: int8 activations, approximate). 0 when done; 1: a format this file does not read; 2: K not
+// a whole number of blocks; 3: an unknown `prefill`.
 int specdecode_qmm(int format, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                    float* y, int64_t ldy, int threads, int prefill) {
     Layout lay;
     if (!layout_of(format, &lay)) return 1;
     if (K % lay.weights != 0) return 2;
-    (prefill ? lay.prefill : lay.product)(x, M, K, w, N, y, ldy, threads);
+    if (prefill < 0 || prefill > 2) return 3;
+    const Product run[] = {lay.product, lay.prefill, lay.int8_prefill};
+    run[prefill](x, M, K, w, N, y, ldy, threads);
     return 0;
 }
 

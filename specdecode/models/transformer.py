@@ -218,11 +218,14 @@ class Transformer(nn.Module):
         positions: torch.Tensor,  # (B, T) long
         cache: KVCache,
         mask: torch.Tensor | None = None,  # (T, cache.length+T) bool; None = causal chain
+        prompt: bool | None = None,
     ) -> torch.Tensor:
         """Run new tokens of one sequence over its cached prefix, append their keys/values to the
         cache (committed: the cache's length moves past them), and return their final hidden
-        states (B, T, C), after the last norm."""
-        plan = AttentionPlan([Segment.append(cache, input_ids.shape[1], mask)])
+        states (B, T, C), after the last norm. `prompt`: whether the tokens are a prompt's, which
+        the quantized kernels may compute another way (`prefill_rows`; None: more than 64 are)."""
+        prefill_from = None if prompt is None else (0 if prompt else input_ids.shape[1])
+        plan = AttentionPlan([Segment.append(cache, input_ids.shape[1], mask)], prefill_from)
         hidden = self.forward_plan(input_ids, positions, plan)
         plan.commit()
         return hidden
