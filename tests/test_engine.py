@@ -751,15 +751,27 @@ def test_trained_drafters_in_the_engine_match_their_solo_run(method: str) -> Non
 
 def test_policy_keeps_plain_and_drafting_overheads_apart() -> None:
     """Steps that verify drafts cost more beyond the forward than plain ones (trees, walks,
-    compaction): each kind has its own running overhead, and one slow drafting step fades back
-    to the plain figure while nothing drafts, so it cannot stop drafting for good."""
+    compaction): each kind has its own running overhead, and drafting steps one for each width
+    (a policy that granted one token a step must not charge its overhead to three, nor the
+    other way round). One slow drafting step fades back to the plain figure while nothing
+    drafts, so it cannot stop drafting for good; a width not yet seen is tried."""
     policy = SpeculationPolicy(LatencyCurve(((1, 0.004), (4, 0.006))))
     for _ in range(50):
         policy.observe_step(0.005, 1, 0.0, drafted=False)  # 1 ms beyond a 4 ms forward
     policy.observe_step(0.007 + 0.5, 4, 0.0, drafted=True)  # one drafting step with a 0.5 s pause
-    assert abs(policy.overhead - 0.001) < 1e-4 and policy.draft_overhead > 0.04
+    assert abs(policy.overhead - 0.001) < 1e-4 and policy.overhead_at(4) > 0.04
+    assert policy.overhead_at(3) == policy.overhead  # unseen: as a plain step
     grant = Candidate(max_draft=3, accept_rates=[0.9, 0.8, 0.7], draft_cost=0.0)
-    assert policy.budgets([grant], 1, 8) == [0]  # the pause makes drafting look ruinous
+    assert policy.budgets([grant], 1, 8) == [2]  # the pause makes 4 rows look ruinous, not 3
     for _ in range(60):
         policy.observe_step(0.005, 1, 0.0, drafted=False)
-    assert policy.budgets([grant], 1, 8) == [3]  # forgotten: drafting pays again
+    assert policy.budgets([grant], 1, 8) == [3]  # forgotten: all three pay again
+    # Widths measured apart: 2 rows cost 20 ms beyond the curve, 4 rows nothing. Charged to every
+    # width, the 2-row steps' overhead would keep the request plain (rate 0.048 against 0.05).
+    policy = SpeculationPolicy(LatencyCurve(((1, 0.020), (2, 0.024), (4, 0.036))))
+    for _ in range(60):
+        policy.observe_step(0.024 + 0.020 + 0.006, 2, 0.006, drafted=True)
+    policy.observe_step(0.036 + 0.018, 4, 0.018, drafted=True)
+    assert policy.overhead_at(2) > 0.019 and policy.overhead_at(4) < 0.0005
+    near = Candidate(max_draft=3, accept_rates=[0.9, 0.85, 0.8], draft_cost=0.006)
+    assert policy.budgets([near], 1, 8) == [3]

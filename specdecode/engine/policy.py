@@ -11,7 +11,8 @@ The policy maximises the batch's expected tokens per second under two measured m
   target's forward-latency curve over T tokens (measured on this model and machine when the
   engine starts), `overhead` a running average of what a step costs beyond it (scheduling,
   per-request Python, cache gathers; one average for plain steps and one for steps that verify
-  drafts, whose trees, masks, walks and cache compaction cost more), and each request's drafting
+  drafts, whose trees, masks, walks and cache compaction cost more, kept for each T: see
+  `SpeculationPolicy.overhead_at`), and each request's drafting
   cost per draft token (a running average of its drafter's `propose` time: nearly zero for prompt
   lookup, a draft model's forwards for draft_model; before it has one, its method's: the lower
   median of the method's last COST_SAMPLES proposals, which one slow proposal does not move).
@@ -56,6 +57,7 @@ EXPLORE = 1.0  # standard errors of optimism in the acceptance estimates (`accep
 FORGET = 0.9  # per step without drafting, how much of a request's own acceptance counts remain
 PROBE_STEPS = 32  # steps a request is kept plain before it drafts one token to measure anew
 COST_SAMPLES = 9  # proposals a method's drafting cost is the lower median of
+WIDE_STEP = 17  # drafting steps of this many rows or more share one overhead average
 
 # (widths, context, repeats) -> each width's timed seconds, as `models.latency.forward_seconds`
 Timer = Callable[[list[int], int, int], dict[int, list[float]]]
@@ -118,7 +120,20 @@ class SpeculationPolicy:
     def __init__(self, curve: LatencyCurve | Callable[[], LatencyCurve]) -> None:
         self._curve = curve
         self.overhead = 0.0  # seconds per plain step beyond the forward (running average)
-        self.draft_overhead = 0.0  # the same for steps that verify drafts
+        self.draft_overheads: dict[int, float] = {}  # the same for drafting steps, by their rows
+        # (up to WIDE_STEP: a lone request's widths each get their own; a batch's share one)
+
+    def overhead_at(self, rows: int) -> float:
+        """What a drafting step of `rows` rows costs beyond its forward and drafts: the running
+        average of the steps that wide, or, before one was seen, a plain step's (optimistic: the
+        width is tried, then judged by what it cost).
+
+        One average for every width had two steady states for the Qwen 0.5B drafting for the
+        1.5B: the measured curve overstates a wide forward's cost against a narrow one's (beyond
+        it, 1.9 ms at 2 rows, 0.1 at 4), so a policy that had granted one token a step charged
+        that step's overhead to 3 tokens too, and kept granting one (decoding alone 1.22-1.24x
+        plain in 3 runs of 10, against 1.39-1.46x granting 3)."""
+        return self.draft_overheads.get(min(rows, WIDE_STEP), self.overhead)
 
     @property
     def measured(self) -> bool:
@@ -148,7 +163,7 @@ class SpeculationPolicy:
         for x, (p, _, i) in enumerate(gains, start=1):
             tokens += p
             draft_seconds += candidates[i].draft_cost
-            rate = tokens / (self.curve(base_tokens + x) + self.draft_overhead + draft_seconds)
+            rate = tokens / (self.curve(base_tokens + x) + self.overhead_at(base_tokens + x) + draft_seconds)
             if rate > best_rate:
                 best_x, best_rate = x, rate
         out = [0] * len(candidates)
@@ -164,12 +179,14 @@ class SpeculationPolicy:
             return
         extra = max(0.0, seconds - self.curve(tokens) - draft_seconds)
         if drafted:
-            self.draft_overhead += EMA * (extra - self.draft_overhead)
+            before = self.overhead_at(tokens)
+            self.draft_overheads[min(tokens, WIDE_STEP)] = before + EMA * (extra - before)
         else:
             self.overhead += EMA * (extra - self.overhead)
             # Unmeasured while nothing drafts: drift back to the plain steps' figure, so that one
             # slow drafting step (a pause) cannot keep every request from drafting for good.
-            self.draft_overhead += EMA * (self.overhead - self.draft_overhead)
+            for rows, value in self.draft_overheads.items():
+                self.draft_overheads[rows] = value + EMA * (self.overhead - value)
 
 
 def accept_rates(

@@ -945,7 +945,7 @@ __attribute__((noinline)) void int8_rows(const int8_t* xq, const float* xd, cons
 #if defined(__AVX512F__)
 constexpr int IR = 6;  // int8 rows at a time
 #elif defined(__AVX2__)
-constexpr int IR = 2;
+constexpr int IR = 1;
 #else
 constexpr int IR = 1;
 #endif
