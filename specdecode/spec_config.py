@@ -57,7 +57,8 @@ class DraftModelConfig:
     read 0.39 GB a token, its Q4_0 copy 0.28 GB), else as stored ("stored" asks for that always);
     any other draft is bfloat16 for a float32 target on a CPU with the bf16 kernel, else the
     target's dtype. "q4_0", "q4_1", "q5_0", "q8_0": the draft's weights (a GGUF's dequantized)
-    quantized on load into that block format, float32 activations, on a CPU.
+    quantized on load into that block format, float32 activations, on a CPU. A draft whose
+    weights are in block formats reads its prompt with int8 activations (`Kernels.for_drafts`).
     `draft_window`: the draft reads only the last N tokens of each prompt (None: all of it): it
     prefills every prompt as the target does, and on a CPU a long prompt's prefill can cost the
     draft more than its drafts save. Output is unchanged.

@@ -155,10 +155,14 @@ inline V to_float(VI a) {
 // AVX512-VNNI). Without VNNI, `pairs` sums them two by two into int16 (unsigned 6-bit quants by
 // x in [-127, 127]: at most 16002, so that a few pairs' sums may be added in int16 before they are
 // widened), and `widen_add` adds both of an output's pair sums to its int32 lane.
+inline int32_t word4(const int8_t* x) {  // four int8, as one little-endian word
+    int32_t v;
+    std::memcpy(&v, x, 4);
+    return v;
+}
 #if defined(__AVX512F__)
 inline VI to_int(V a) { return {_mm512_cvttps_epi32(a.v)}; }
 inline VI zero_i() { return {_mm512_setzero_si512()}; }
-inline VI add_i(VI a, VI b) { return {_mm512_add_epi32(a.v, b.v)}; }
 inline void store_i(uint8_t* p, VI a) { _mm512_storeu_si512(p, a.v); }
 struct W8 {
     __m512i v;
@@ -167,11 +171,7 @@ inline W8 load_w8(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
 struct X4 {
     __m512i v;
 };
-inline X4 bcast4(const int8_t* x) {
-    int32_t v;
-    std::memcpy(&v, x, 4);
-    return {_mm512_set1_epi32(v)};
-}
+inline X4 bcast4(const int8_t* x) { return {_mm512_set1_epi32(word4(x))}; }
 struct P {
     __m512i v;
 };
@@ -188,7 +188,6 @@ inline VI dot4(VI acc, W8 w, X4 x) { return widen_add(acc, pairs(w, x)); }
 #elif defined(__AVX2__)
 inline VI to_int(V a) { return {_mm256_cvttps_epi32(a.lo), _mm256_cvttps_epi32(a.hi)}; }
 inline VI zero_i() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
-inline VI add_i(VI a, VI b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
 inline void store_i(uint8_t* p, VI a) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a.lo);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32), a.hi);
@@ -203,11 +202,7 @@ inline W8 load_w8(const uint8_t* p) {
 struct X4 {
     __m256i v;
 };
-inline X4 bcast4(const int8_t* x) {
-    int32_t v;
-    std::memcpy(&v, x, 4);
-    return {_mm256_set1_epi32(v)};
-}
+inline X4 bcast4(const int8_t* x) { return {_mm256_set1_epi32(word4(x))}; }
 struct P {
     __m256i lo, hi;
 };
@@ -226,10 +221,6 @@ inline VI to_int(V a) {
     return r;
 }
 inline VI zero_i() { return VI{}; }
-inline VI add_i(VI a, VI b) {
-    for (int j = 0; j < 16; ++j) a.i[j] += b.i[j];
-    return a;
-}
 inline void store_i(uint8_t* p, VI a) { std::memcpy(p, a.i, sizeof(a.i)); }
 struct W8 {
     uint8_t b[64];
