@@ -12,8 +12,17 @@ import torch
 
 from specdecode import LLM, SamplingParams
 from specdecode.errors import SpecDecodeError
-from specdecode.kernels import QUANT_FORMATS, REFERENCE, QuantPart, QuantWeight, build, dequantize, select
-from specdecode.kernels.quant import quant_kernel
+from specdecode.kernels import (
+    QUANT_FORMATS,
+    REFERENCE,
+    QuantPart,
+    QuantWeight,
+    build,
+    cpu_isa,
+    dequantize,
+    select,
+)
+from specdecode.kernels.quant import QuantCPU, quant_kernel
 from tests.tiny_gguf import write_tiny_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -119,6 +128,23 @@ def test_a_drafts_prompt_rows_in_int8(isa: str, fmt: str) -> None:
     if fmt == "Q8_0":
         float_prefill = exact.matmul(noisy, weight, prefill=True)
         assert torch.equal(draft.matmul(noisy, weight, prefill=True), float_prefill)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q5_0", "Q4_K", "Q6_K"])
+def test_avx512_without_vnni_gives_the_same_int8_sums(fmt: str) -> None:
+    """Where the CPU has AVX512-VNNI the AVX-512 build sums a draft's int8 prompt rows with
+    `vpdpbusd`; built without it (a CPU that lacks it), with `vpmaddubsw` pairs added in int16:
+    the same integer sums, so the same bits."""
+    vnni = quant_kernel("avx512")
+    if vnni is None or "avx512_vnni" not in build.cpu_flags():
+        pytest.skip("needs an AVX-512 CPU with AVX512-VNNI")
+    lib = cpu_isa.library("avx512", optional=False)
+    assert lib is not None
+    plain = QuantCPU("avx512", lib).approximate()
+    weight = vnni.pack(random_weight(fmt, 40, 768, seed=11))
+    x = torch.randn(9, 768, generator=torch.Generator().manual_seed(12))
+    want = vnni.approximate().matmul(x, weight, prefill=True)
+    assert torch.equal(plain.matmul(x, weight, prefill=True), want)
 
 
 @pytest.mark.parametrize("isa", isa_params())
