@@ -75,8 +75,10 @@ def library(isa: str, optional: bool = True) -> ctypes.CDLL | None:
     lib.specdecode_silu_mul.restype = None
     # records, layers; x, T, C, H, Hkv, D, I, eps; caches, head stride; rows, slots, count, CSR;
     # cos, sin, scale; prefill_from, prefill arithmetic, threads
-    lib.specdecode_decoder_rows.argtypes = [p, n, p, i, i, i, i, i, i, f, p, i, p, p, i, p, p, p, p, f, i, n]
-    lib.specdecode_decoder_rows.argtypes += [n]
+    lib.specdecode_decoder_rows.argtypes = [
+        *(p, n, p, i, i, i, i, i, i, f, p, i, p, p, i, p, p, p, p, f),
+        *(i, n, n),
+    ]
     lib.specdecode_decoder_rows.restype = n
     lib.specdecode_peak_flops.argtypes = [n, i]
     lib.specdecode_peak_flops.restype = ctypes.c_double

@@ -31,7 +31,7 @@ class QuantCPU:
         self.name = f"cpu-quant-{isa}" + ("-int8-prefill" if prefill == INT8_PREFILL else "")
 
     def approximate(self) -> QuantCPU:
-        """These products with a draft's prompt rows read in int8 (see `quant_gemm.cpp`: ~3x
+        """These products with a draft's prompt rows read in int8 (see `quant_gemm.cpp`: ~2.5x
         faster prefill with AVX512-VNNI); decoding rows unchanged. The same layout: weights
         packed for one run on the other."""
         return QuantCPU(self.isa, self._lib, INT8_PREFILL)
@@ -71,8 +71,8 @@ class QuantCPU:
         y = torch.empty(m, n)  # (M, out)
         if m:
             threads, xp, yp = torch.get_num_threads(), x.data_ptr(), y.data_ptr()
+            how = self.prefill if prefill else DECODING
             for fmt, data, rows, first in weight.calls:
-                how = self.prefill if prefill else DECODING
                 if self._lib.specdecode_qmm(fmt, xp, m, k, data, rows, yp + 4 * first, n, threads, how):
                     name = next(f for f, (i, _, _) in QUANT_FORMATS.items() if i == fmt)
                     raise ValueError(f"{self.name}: cannot multiply {name} rows of {k} weights")
