@@ -21,6 +21,7 @@ from specdecode.engine.graphs import MIN_COLUMNS, ROW_BUCKETS, GraphRunner
 from specdecode.engine.llm_engine import LLMEngine
 from specdecode.engine.paged_cache import PagedCache, PagedKVStorage
 from specdecode.kernels import REFERENCE
+from specdecode.kernels.reference import apply_rotary, rms_norm, silu_mul
 from specdecode.models.transformer import Transformer
 from specdecode.tree import DraftTree
 from tests.test_speculative_api import PROMPTS, methods, tiny_paths  # noqa: F401 (a fixture)
@@ -171,7 +172,8 @@ def test_triton_row_attention_interpreted() -> None:
     import Triton early."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    code = "from tests.test_graphs import check_triton_rows; check_triton_rows()"
+    checks = ("check_triton_rows", "check_triton_rows_ops", "check_triton_model")
+    code = "import tests.test_graphs as t; " + "; ".join(f"t.{c}()" for c in checks)
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -220,29 +222,100 @@ def check_triton_rows() -> None:
     ck2[:, moved], cv2[:, moved] = ck[:, rows[2]], cv[:, rows[2]]
     alone, *_ = attend(triton_rows, q[:, 2:], k[:, 2:], v[:, 2:], (ck2, cv2), [moved], [75], cos[2:], sin[2:])
     assert torch.equal(alone[0], out[2])
+    # In half precision the keys are rotated with PyTorch's roundings (each product, then the sum).
+    half_k, half_cos, half_sin = k.half(), cos.half(), sin.half()
+    half_cache = [c.half() for c in cache]
+    _, ck16, _ = attend(
+        triton_rows, q.half(), half_k, v.half(), half_cache, rows, [70, 71, 72], half_cos, half_sin
+    )
+    assert torch.equal(ck16[:, 70:73], apply_rotary(half_k, half_cos, half_sin))
+
+
+def check_triton_rows_ops() -> None:
+    """The GPU's RMS norm and SiLU * up (`kernels.cuda`) on CPU tensors, interpreted: the
+    reference's values, and a row's bits the same alone as among others."""
+    from specdecode.kernels.cuda import launch_rms_norm, launch_silu_mul
+
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.float16):
+        x, w = torch.randn(5, 96, generator=g).to(dtype), (1 + torch.randn(96, generator=g) / 4).to(dtype)
+        normed = launch_rms_norm(x.view(1, 5, 96), w, 1e-5)
+        assert normed.shape == (1, 5, 96) and normed.dtype == dtype
+        torch.testing.assert_close(normed[0], rms_norm(x, w, 1e-5))
+        assert torch.equal(launch_rms_norm(x[3:4], w, 1e-5), normed[0, 3:4])
+        gate_up = torch.randn(5, 2 * 1500, generator=g).to(dtype)  # two programs a row
+        torch.testing.assert_close(launch_silu_mul(gate_up), silu_mul(gate_up))
+        assert torch.equal(launch_silu_mul(gate_up[2:3]), launch_silu_mul(gate_up)[2:3])
+
+
+def check_triton_model() -> None:
+    """A tiny model computing through the GPU's kernel set with its Triton kernels interpreted on
+    CPU tensors, through the graphs' buffers run eagerly: the reference kernels' hidden rows, and
+    a row's bits the same alone as beside another request's tree."""
+    import dataclasses
+    import tempfile
+
+    from specdecode.kernels.cuda import PADDED, TritonRows, launch_rms_norm, launch_silu_mul
+
+    class CpuTritonRows(TritonRows):
+        device_type = "cpu"
+
+    kernels = dataclasses.replace(
+        REFERENCE, name="triton-interpreted", linears=(PADDED,), approx=(), head=PADDED,
+        rms_norm=launch_rms_norm, silu_mul=launch_silu_mul, attend_rows=CpuTritonRows(),
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        model, reference = load_tiny_hf(Path(tmp), "qwen2"), Transformer.from_dir(Path(tmp))
+    reference.bind_kernels(REFERENCE)
+    model.bind_kernels(kernels)
+    storage = PagedKVStorage(model.config, num_blocks=16, block_size=4)
+    runner = GraphRunner(model, storage, capture=False)
+    alone, together = row_alone_and_among_others(model, runner)
+    assert torch.equal(alone, together)
+    with torch.inference_mode():
+        ids, positions = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]]), torch.arange(8)[None]
+        got, want = (
+            m.forward_plan(ids, positions, AttentionPlan([Segment.append(m.new_cache(16), 8)]))
+            for m in (model, reference)
+        )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 SHAPES = [("bf16", 3, 64), ("bf16", 6, 128), ("fp16", 1, 64), ("fp32", 2, 16), ("fp32", 2, 8)]
 
 
 @pytest.mark.parametrize(("dtype", "group", "head_dim"), SHAPES)
-def test_triton_row_attention_builds_for_hopper(dtype: str, group: int, head_dim: int) -> None:
-    """The kernel compiles for an H100/H200 (sm_90) without a GPU, to machine code with no local
-    memory (no spilled registers): SmolLM2's heads, Qwen2.5-1.5B's, one query head a group, and
-    the tiny test models'."""
+def test_triton_kernels_build_for_hopper(dtype: str, group: int, head_dim: int) -> None:
+    """The kernels compile for an H100/H200 (sm_90) without a GPU, to machine code with no local
+    memory (no spilled registers): SmolLM2's heads and width, Qwen2.5-1.5B's, one query head a
+    group, and the tiny test models'."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
-    from specdecode.kernels.cuda import _row_attention, triton_pow2
+    from specdecode.kernels.cuda import SILU_BLOCK, _triton, triton_pow2
 
-    kernel = _row_attention()
-    pointers = {"q": f"*{dtype}", "kc": f"*{dtype}", "vc": f"*{dtype}", "out": f"*{dtype}"}
-    pointers |= {"row_ptr": "*i64", "idx": "*i64", "scale": "fp32"}
-    consts = {"GROUP": group, "GP": triton_pow2(group), "D": head_dim, "BLOCK": 32 if head_dim <= 64 else 16}
-    signature = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
-    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=consts)
-    built = triton.compile(source, target=GPUTarget("cuda", 90, 32))
-    assert built.asm["cubin"] and ".local" not in built.asm["ptx"]
+    store_rows, row_attention, rms_norm_rows, silu_mul_rows = _triton()
+    width = {8: 64, 16: 64, 64: 576, 128: 1536}[head_dim]  # the model's hidden size
+    builds = [
+        (store_rows, {"D": head_dim}),
+        (row_attention, {"GROUP": group, "GP": triton_pow2(group), "D": head_dim, "BLOCK": 32 if head_dim <= 64 else 16}),  # noqa: E501
+        (rms_norm_rows, {"LOW": dtype != "fp32", "BLOCK": triton_pow2(width)}),
+        (silu_mul_rows, {"BLOCK": SILU_BLOCK}),
+    ]  # fmt: skip
+    pointers = {"rows", "new_slots", "row_ptr", "idx"}  # int64; every other pointer: the dtype
+    floats = {"q", "k", "v", "kc", "vc", "out", "cos", "sin", "x", "w", "y"}
+    for kernel, consts in builds:
+        signature = {
+            n: "constexpr" if n in consts
+            else "*i64" if n in pointers
+            else f"*{dtype}" if n in floats
+            else "fp32" if n in ("scale", "eps")
+            else "i32"
+            for n in kernel.arg_names
+        }  # fmt: skip
+        source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=consts)
+        built = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+        assert built.asm["cubin"] and ".local" not in built.asm["ptx"], kernel
 
 
 def test_padded_products_give_a_row_the_same_bits_in_any_step() -> None:

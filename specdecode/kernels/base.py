@@ -135,7 +135,7 @@ class Kernels:
     - `approx`: candidates for the approximate product of drafts and of the greedy screen (inputs
       and weights rounded to bfloat16), packed from a float32 (in, out) weight; the last accepts
       any.
-    - `rms_norm(x, weight, eps)`: for float32 inputs (others normalise in the layer).
+    - `rms_norm(x, weight, eps)`: `reference.rms_norm`'s result, in any dtype.
     - `silu_mul(gate_up)`: (..., 2 I) -> SiLU(gate) * up (..., I), the SwiGLU MLP's middle.
     - `decoder`: a whole decoding forward's layers in one call, or None (see `DecoderRows`).
     - `head`: the product of the LM head's float (C, V) weight as it is kept, or None for

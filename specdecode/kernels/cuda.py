@@ -1,15 +1,17 @@
-"""The kernels of a model on an NVIDIA GPU: PyTorch's ops (cuBLAS products) with rows padded to a
-fixed multiple, a Triton row attention over listed cache slots, and a probe of what the card
-reaches (the bounds the benchmarks draw).
+"""The kernels of a model on an NVIDIA GPU: cuBLAS products over rows in fixed blocks, Triton
+kernels for the rest of a layer (RMS norm, SiLU * up, rotary and row attention over listed cache
+slots), and a probe of what the card reaches (the bounds the benchmarks draw).
 
 A row must come out of a forward with the same bits whatever else the forward holds, or a
 verification step (several rows) and plain decoding (one) break a near-tie differently; in
-bfloat16 exact ties are common. cuBLAS picks its kernel by shape, so every product of fewer than
-`ROW_MULTIPLE` rows is computed as one of `ROW_MULTIPLE` (`PaddedLinear`; the LM head too). The
-row attention (`TritonRows`) gives each (row, key/value head) its own program, which walks the
-row's slots in order in blocks counted from its first slot: its result depends on the row's own
-slots alone, as the CPU kernel's does. Launch overhead, what bounds a small model there, is the
-engine's to remove: it replays decoding steps from captured CUDA graphs (`engine.graphs`).
+bfloat16 exact ties are common. cuBLAS picks its kernel by shape, so every product is computed
+as one of a multiple of `ROW_MULTIPLE` rows (`PaddedLinear`; the LM head too). The Triton kernels
+(`cuda_triton`) give each row its own program, the row attention each (row, key/value head),
+walking the row's slots in order in blocks counted from its first: a row's result depends on its
+own inputs alone, as the CPU kernels' do. They also replace PyTorch's many small ops: a SmolLM2
+decoding step launched ~1,370 kernels before them and ~390 with them (H200). Launch overhead,
+what bounds a small model there, is the engine's to remove: it replays decoding steps from
+captured CUDA graphs (`engine.graphs`).
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specdecode.kernels.reference import EXACT, TorchLinear, apply_rotary
+from specdecode.kernels.reference import EXACT, TorchLinear
+from specdecode.kernels.reference import rms_norm as reference_rms_norm
+from specdecode.kernels.reference import silu_mul as reference_silu_mul
 
 ROW_MULTIPLE = 64
+SILU_BLOCK = 1024  # columns of a row per SiLU program
 
 
 class PaddedLinear(TorchLinear):
@@ -44,56 +49,17 @@ class PaddedLinear(TorchLinear):
 
 
 @functools.cache
-def _row_attention() -> Any:
-    """The Triton kernel, compiled when first launched (under TRITON_INTERPRET=1, interpreted on
-    the CPU: how the tests check it without a GPU)."""
-    import triton
-    import triton.language as tl
+def _triton() -> Any:
+    """The Triton kernels (store_rows, row_attention, rms_norm_rows, silu_mul_rows), compiled
+    when first launched."""
+    from specdecode.kernels import cuda_triton as k
 
-    @triton.jit
-    def row_attention(
-        q, kc, vc, out, row_ptr, idx, scale,
-        q_sh, q_sr, k_sh, k_ss, v_sh, v_ss, o_sr, o_sh,
-        GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
-        # One program: row r's query heads of key/value head kvh, over the row's slots
-        # idx[row_ptr[r] : row_ptr[r+1]] in blocks of BLOCK (online softmax, float32).
-        r = tl.program_id(0)
-        kvh = tl.program_id(1)
-        g = tl.arange(0, GP)
-        d = tl.arange(0, D)
-        live = g < GROUP
-        heads = kvh * GROUP + g
-        qv = tl.load(q + heads[:, None] * q_sh + r * q_sr + d[None, :], mask=live[:, None], other=0.0)
-        qv = qv.to(tl.float32)
-        lo = tl.load(row_ptr + r).to(tl.int32)
-        hi = tl.load(row_ptr + r + 1).to(tl.int32)
-        top = tl.full([GP], float("-inf"), tl.float32)
-        total = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, D], tl.float32)
-        for s in range(lo, hi, BLOCK):
-            at = s + tl.arange(0, BLOCK)
-            seen = at < hi
-            slot = tl.load(idx + at, mask=seen, other=0)
-            kk = tl.load(kc + kvh * k_sh + slot[:, None] * k_ss + d[None, :], mask=seen[:, None], other=0.0)
-            score = tl.sum(qv[:, None, :] * kk.to(tl.float32)[None, :, :], axis=2) * scale  # (GP, BLOCK)
-            score = tl.where(seen[None, :], score, float("-inf"))
-            new_top = tl.maximum(top, tl.max(score, axis=1))
-            fade = tl.exp(top - new_top)
-            p = tl.exp(score - new_top[:, None])
-            vv = tl.load(vc + kvh * v_sh + slot[:, None] * v_ss + d[None, :], mask=seen[:, None], other=0.0)
-            total = total * fade + tl.sum(p, axis=1)
-            acc = acc * fade[:, None] + tl.sum(p[:, :, None] * vv.to(tl.float32)[None, :, :], axis=1)
-            top = new_top
-        res = (acc / total[:, None]).to(out.dtype.element_ty)
-        tl.store(out + r * o_sr + heads[:, None] * o_sh + d[None, :], res, mask=live[:, None])
-
-    return row_attention
+    return k.store_rows, k.row_attention, k.rms_norm_rows, k.silu_mul_rows
 
 
 class TritonRows:
-    """`AttendRows` on the GPU: rotary applied to the rows' queries and keys, their keys and
-    values stored at their slots, then the Triton kernel over each row's slots."""
+    """`AttendRows` on the GPU in two launches: the rows' keys (rotated) and values into their
+    slots, then each row's attention over its slots, its queries rotated as they load."""
 
     head_dims: ClassVar[tuple[int, ...]] = (8, 16, 32, 64, 128)
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
@@ -118,19 +84,74 @@ class TritonRows:
         h_kv, r = k.shape[0], rows.shape[0]
         if r == 0:
             return
-        c, s = cos[rows], sin[rows]  # (R, D)
-        qr = apply_rotary(q[:, rows], c, s).contiguous()  # (H, R, D)
-        cache_k[:, new_slots] = apply_rotary(k[:, rows], c, s)
-        cache_v[:, new_slots] = v[:, rows]
-        res = torch.empty(r, h, d, dtype=out.dtype, device=out.device)  # (R, H, D)
+        assert q.stride(2) == k.stride(2) == v.stride(2) == out.stride(2) == 1
+        cos, sin = cos.contiguous(), sin.contiguous()
+        store_rows, row_attention, *_ = _triton()
+        store_rows[(r, h_kv)](
+            k, v, cache_k, cache_v, rows, new_slots, cos, sin,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), cos.stride(0),
+            D=d,
+        )  # fmt: skip
         group = h // h_kv
-        _row_attention()[(r, h_kv)](
-            qr, cache_k, cache_v, res, row_ptr, idx, 1.0 / math.sqrt(d),
-            qr.stride(0), qr.stride(1), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0),
-            cache_v.stride(1), res.stride(0), res.stride(1),
+        row_attention[(r, h_kv)](
+            q, cache_k, cache_v, out, rows, row_ptr, idx, cos, sin, 1.0 / math.sqrt(d),
+            q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0),
+            cache_v.stride(1), out.stride(0), out.stride(1), cos.stride(0),
             GROUP=group, GP=triton_pow2(group), D=d, BLOCK=32 if d <= 64 else 16,
         )  # fmt: skip
-        out[rows] = res
+
+
+def _needs_torch(x: Tensor, *more: Tensor) -> bool:
+    """Whether PyTorch's op must run instead of a Triton kernel: not on a GPU, a dtype the kernels
+    were not written for, or gradients wanted (the kernels have no backward)."""
+    return (
+        not x.is_cuda
+        or x.dtype not in TritonRows.dtypes
+        or (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *more)))
+    )
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """`reference.rms_norm` as one launch, each row by one program (its bits its own)."""
+    if _needs_torch(x, weight):
+        return reference_rms_norm(x, weight, eps)
+    return launch_rms_norm(x, weight, eps)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """`reference.silu_mul` as one launch."""
+    if _needs_torch(gate_up):
+        return reference_silu_mul(gate_up)
+    return launch_silu_mul(gate_up)
+
+
+def launch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """The Triton RMS norm on x (..., C), wherever its tensors are (the interpreter's on a CPU)."""
+    n = x.shape[-1]
+    rows = _rows(x)  # (M, C)
+    out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    _triton()[2][(rows.shape[0],)](
+        rows, weight, out, rows.stride(0), out.stride(0), n, eps,
+        LOW=x.dtype != torch.float32, BLOCK=triton_pow2(n),
+    )  # fmt: skip
+    return out.view(*x.shape[:-1], n)
+
+
+def launch_silu_mul(gate_up: Tensor) -> Tensor:
+    """The Triton SiLU(gate) * up on gate_up (..., 2 I), wherever its tensors are."""
+    n = gate_up.shape[-1] // 2
+    rows = _rows(gate_up)  # (M, 2 I)
+    out = torch.empty(rows.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(SILU_BLOCK, triton_pow2(n))
+    _triton()[3][(rows.shape[0], -(-n // block))](rows, out, rows.stride(0), out.stride(0), n, BLOCK=block)
+    return out.view(*gate_up.shape[:-1], n)
+
+
+def _rows(x: Tensor) -> Tensor:
+    """x (..., C) as (M, C) with unit column stride."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def triton_pow2(n: int) -> int:
@@ -139,7 +160,7 @@ def triton_pow2(n: int) -> int:
 
 
 def _works(rows: TritonRows) -> bool:
-    """Whether Triton is there and its kernel runs here: one launch on a few slots."""
+    """Whether Triton is there and its kernels run here: one launch of each on a few values."""
     try:
         dev = torch.device("cuda")
         q, k = torch.randn(2, 1, 64, device=dev), torch.randn(1, 1, 64, device=dev)
@@ -149,10 +170,11 @@ def _works(rows: TritonRows) -> bool:
         ptr = torch.tensor([0, 1], device=dev)
         cos, sin = torch.ones(1, 64, device=dev), torch.zeros(1, 64, device=dev)
         rows(q, k, k, cache, cache.clone(), one, one, ptr, one, out, cos, sin)
+        done = (out, rms_norm(q[:, 0], torch.ones(64, device=dev), 1e-6), silu_mul(q[:, 0]))
         torch.cuda.synchronize()
-        return bool(torch.isfinite(out).all())
+        return all(bool(torch.isfinite(t).all()) for t in done)
     except Exception as exc:  # no Triton, or it cannot build for this card
-        warnings.warn(f"no Triton row attention on this GPU ({exc}); SDPA attends instead", stacklevel=2)
+        warnings.warn(f"no Triton kernels on this GPU ({exc}): PyTorch's ops and SDPA instead", stacklevel=2)
         return False
 
 
@@ -204,13 +226,12 @@ PADDED = PaddedLinear()
 
 @functools.cache
 def cuda_kernels() -> Any:
-    """The GPU's kernel set (checked once per process: the Triton attention where it runs)."""
+    """The GPU's kernel set (checked once per process: the Triton kernels where they run)."""
+    probe = CudaProbe()
+    torch_ops = dataclasses.replace(EXACT, name="torch-cuda", linears=(PADDED,), head=PADDED, probe=probe)
     rows = TritonRows()
+    if not _works(rows):
+        return torch_ops
     return dataclasses.replace(
-        EXACT,
-        name="torch-cuda",
-        linears=(PADDED,),
-        head=PADDED,
-        attend_rows=rows if _works(rows) else None,
-        probe=CudaProbe(),
+        torch_ops, name="torch-cuda-triton", rms_norm=rms_norm, silu_mul=silu_mul, attend_rows=rows
     )

@@ -63,7 +63,14 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return F.rms_norm(x, weight.shape, weight, eps)
+    """x (..., C) normalised by its root mean square and scaled by `weight` (C,). In bfloat16 and
+    float16: normalised in float32, rounded to x's dtype, then scaled, as the reference
+    implementations (transformers') do."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:

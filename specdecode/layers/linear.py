@@ -144,13 +144,7 @@ class RMSNorm(nn.Module):
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return self.kernels.rms_norm(x, self.weight, self.eps)
-        # Lower precision: normalise in float32, then scale in the weights' dtype, as the
-        # reference implementations do.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
 class Embedding(nn.Module):
