@@ -318,15 +318,29 @@ def test_triton_kernels_build_for_hopper(dtype: str, group: int, head_dim: int) 
         assert built.asm["cubin"] and ".local" not in built.asm["ptx"], kernel
 
 
-def test_padded_products_give_a_row_the_same_bits_in_any_step() -> None:
-    """The GPU's linear kernel (here on CPU tensors): x @ W (+ bias), each row computed as part
-    of 64 rows, so a row's bits do not depend on how many rows came with it."""
+def test_padded_products_give_a_row_the_same_bits_in_any_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU's linear kernel (here on CPU tensors): x @ W (+ bias), computed in blocks of 64
+    rows, so a row's bits do not depend on how many rows came with it, past 64 rows too (a step
+    verifying several requests' trees): every product it asks of PyTorch has 64 rows."""
     from specdecode.kernels.cuda import PADDED
+    from specdecode.kernels.reference import TorchLinear
 
+    shapes = []
+    product = TorchLinear.matmul
+
+    def counted(self, x, packed, bias=None):  # type: ignore[no-untyped-def]
+        shapes.append(x.shape[0])
+        return product(self, x, packed, bias)
+
+    monkeypatch.setattr(TorchLinear, "matmul", counted)
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(70, 96, generator=g), torch.randn(96, 40, generator=g)
+    x, w = torch.randn(150, 96, generator=g), torch.randn(96, 40, generator=g)
     bias = torch.randn(40, generator=g)
     torch.testing.assert_close(PADDED.matmul(x, w, bias), x @ w + bias)
-    alone = PADDED.matmul(x[:1], w)
-    for rows in (2, 5, 64):
-        assert torch.equal(PADDED.matmul(x[:rows], w)[:1], alone)
+    assert PADDED.matmul(x[:130], w).shape == (130, 40)
+    for row in (0, 1, 63, 64, 100):
+        alone = PADDED.matmul(x[row : row + 1], w, bias)
+        for rows in (2, 5, 64, 70, 130, 150):
+            start = max(0, row + 1 - rows)  # the row at another place among `rows` rows
+            assert torch.equal(PADDED.matmul(x[start : start + rows], w, bias)[row - start], alone[0])
+    assert set(shapes) == {64}

@@ -5,7 +5,7 @@ slots), and a probe of what the card reaches (the bounds the benchmarks draw).
 A row must come out of a forward with the same bits whatever else the forward holds, or a
 verification step (several rows) and plain decoding (one) break a near-tie differently; in
 bfloat16 exact ties are common. cuBLAS picks its kernel by shape, so every product is computed
-as one of a multiple of `ROW_MULTIPLE` rows (`PaddedLinear`; the LM head too). The Triton kernels
+in blocks of `ROW_MULTIPLE` rows (`PaddedLinear`; the LM head too). The Triton kernels
 (`cuda_triton`) give each row its own program, the row attention each (row, key/value head),
 walking the row's slots in order in blocks counted from its first: a row's result depends on its
 own inputs alone, as the CPU kernels' do. They also replace PyTorch's many small ops: a SmolLM2
@@ -36,16 +36,20 @@ SILU_BLOCK = 1024  # columns of a row per SiLU program
 
 
 class PaddedLinear(TorchLinear):
-    """x @ W for W kept (in, out), computed over rows padded to a multiple of ROW_MULTIPLE."""
+    """x @ W for W kept (in, out), computed in blocks of ROW_MULTIPLE rows, the last padded: every
+    product cuBLAS runs has the same shape, a verification step of several requests' trees (more
+    than ROW_MULTIPLE rows) too, so a row's bits are the same in any step."""
 
     name: ClassVar[str] = "torch-padded"
 
     def matmul(self, x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
         m = x.shape[0]
         pad = -m % ROW_MULTIPLE
-        if not pad:
-            return super().matmul(x, packed, bias)
-        return super().matmul(F.pad(x, (0, 0, 0, pad)), packed, bias)[:m]
+        padded = F.pad(x, (0, 0, 0, pad)) if pad else x
+        if m + pad == ROW_MULTIPLE:
+            return super().matmul(padded, packed, bias)[:m]
+        blocks = [super(PaddedLinear, self).matmul(b, packed, bias) for b in padded.split(ROW_MULTIPLE)]
+        return torch.cat(blocks)[:m]
 
 
 @functools.cache
