@@ -41,8 +41,9 @@ def main() -> None:
     kernels = [e for e in events if (e.device_type.name == "CUDA") == on_gpu and getattr(e, key) > 0]
     kernels.sort(key=lambda e: getattr(e, key), reverse=True)
     total = sum(getattr(e, key) for e in kernels)
-    print(f"{llm.model.kernels.name} on {args.device}, {args.dtype}: {steps} tokens, "
-          f"{total / 1e3:.1f} ms of {'kernels' if on_gpu else 'ops'} ({total / 1e3 / steps:.3f} ms a token)")  # fmt: skip
+    what = "kernels" if on_gpu else "ops"
+    print(f"{llm.model.kernels.name} on {args.device}, {args.dtype}: {steps} tokens, ", end="")
+    print(f"{total / 1e3:.1f} ms of {what} ({total / 1e3 / steps:.3f} ms a token)")
     print(f"{'kernel' if on_gpu else 'op':<72} {'ms':>8} {'share':>6} {'per token':>9}")
     for e in kernels[: args.rows]:
         t = getattr(e, key)

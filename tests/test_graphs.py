@@ -20,7 +20,8 @@ from specdecode.engine.config import EngineConfig
 from specdecode.engine.graphs import MIN_COLUMNS, ROW_BUCKETS, GraphRunner
 from specdecode.engine.llm_engine import LLMEngine
 from specdecode.engine.paged_cache import PagedCache, PagedKVStorage
-from specdecode.kernels import REFERENCE
+from specdecode.kernels import REFERENCE, build
+from specdecode.kernels.cpu_isa import row_ops
 from specdecode.kernels.reference import apply_rotary, rms_norm, silu_mul
 from specdecode.models.transformer import Transformer
 from specdecode.tree import DraftTree
@@ -229,6 +230,37 @@ def check_triton_rows() -> None:
         triton_rows, q.half(), half_k, v.half(), half_cache, rows, [70, 71, 72], half_cos, half_sin
     )
     assert torch.equal(ck16[:, 70:73], apply_rotary(half_k, half_cos, half_sin))
+
+
+@pytest.mark.parametrize("isa", build.ISAS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_rows_in_half_precision_give_a_row_its_own_bits(isa: str, dtype: torch.dtype) -> None:
+    """The CPU's row attention on bfloat16 and float16 rows (widened to float32 for the kernel):
+    keys rotated as PyTorch rotates them, SDPA's values, and a row's result the same bits alone
+    (its slots moved in the cache) as among a tree's rows."""
+    ops = row_ops(isa)
+    if ops is None:
+        pytest.skip(f"no {isa} build here")
+    g = torch.Generator().manual_seed(2)
+    h, h_kv, d = 4, 2, 32
+    cache = tuple(torch.randn(h_kv, 80, d, generator=g).to(dtype) for _ in range(2))
+    q, k, v = (torch.randn(n, 3, d, generator=g).to(dtype) for n in (h, h_kv, h_kv))
+    angle = torch.randn(3, d, generator=g)
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    prefix = list(range(40))
+    rows = [[*prefix, 70], [*prefix, 70, 71], [*prefix, 70, 72]]  # a root and two children
+    out, ck, cv = attend(ops, q, k, v, cache, rows, [70, 71, 72], cos, sin)
+    assert torch.equal(ck[:, 70:73], apply_rotary(k, cos, sin)) and torch.equal(cv[:, 70:73], v)
+    qr = apply_rotary(q, cos, sin)
+    for r, slots in enumerate(rows):
+        keys, values = (c[:, slots].float().repeat_interleave(h // h_kv, 0) for c in (ck, cv))
+        want = torch.nn.functional.scaled_dot_product_attention(qr[:, r : r + 1].float(), keys, values)[:, 0]
+        torch.testing.assert_close(out[r].float(), want, rtol=2e-2, atol=2e-2)
+    moved = [*range(5, 45), 60, 75]
+    ck2, cv2 = torch.zeros_like(ck), torch.zeros_like(cv)
+    ck2[:, moved], cv2[:, moved] = ck[:, rows[2]], cv[:, rows[2]]
+    alone, *_ = attend(ops, q[:, 2:], k[:, 2:], v[:, 2:], (ck2, cv2), [moved], [75], cos[2:], sin[2:])
+    assert torch.equal(alone[0], out[2])
 
 
 def check_triton_rows_ops() -> None:

@@ -8,7 +8,7 @@ import torch
 
 from specdecode.kernels import REFERENCE, build, cpu_gemm
 from specdecode.kernels.cpu import cpu_kernels
-from specdecode.kernels.cpu_isa import HEAD_DIMS, RowOps, row_ops
+from specdecode.kernels.cpu_isa import HEAD_DIMS, RowOps, float_tiles, row_ops
 from specdecode.layers.linear import Dense
 from specdecode.models.transformer import Transformer
 
@@ -268,3 +268,42 @@ def test_approximate_product_keeps_float32_sums_at_any_row_count(m: int) -> None
     got = kernel.matmul(x, kernel.pack(w))
     want = x.bfloat16().double() @ w.bfloat16().double()
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("isa", isa_ops())
+@pytest.mark.parametrize("m", [1, 3, 7, 64])
+def test_float_tiles_of_every_build_ignore_the_batch(isa: str, m: int) -> None:
+    """`cpu_isa.FloatTiles`, the float32 few-row product of every build: x @ W up to rounding, a
+    row's result the same bits alone, and on builds with fused multiply-add (AVX2, AVX-512) the
+    same bits as AVX-512's `cpu_gemm` kernel."""
+    tiles = float_tiles(isa)
+    assert tiles is not None
+    gen = torch.Generator().manual_seed(m)
+    x, w = torch.randn(m, 96, generator=gen), torch.randn(96, 64, generator=gen)
+    tiled = cpu_gemm.tile_weight(w)
+    got = tiles(x, tiled)
+    torch.testing.assert_close(got, x @ w, rtol=1e-5, atol=1e-4)
+    assert torch.equal(torch.cat([tiles(x[i : i + 1], tiled) for i in range(m)]), got)
+    if isa != "generic" and cpu_gemm.kernel() is not None:
+        assert torch.equal(got, cpu_gemm.tiled_matmul(x, tiled))
+
+
+@pytest.mark.parametrize("isa", ["avx2", "generic"])
+def test_sets_below_avx512_multiply_float_and_bf16_weights_row_by_row(isa: str) -> None:
+    """Below AVX-512 a float32 or bfloat16 checkpoint's layers go through the float tiles (not
+    MKL's or oneDNN's products, which round a row by the step's row count)."""
+    if row_ops(isa) is None:
+        pytest.skip(f"no {isa} build here")
+    kernels = cpu_kernels(isa)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 64, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(64, 96, generator=gen).to(dtype)
+        kernel = kernels.linear_for(w)
+        assert kernel.name in ("cpu-f32-tiles-isa", "cpu-bf16-layers-isa")
+        packed = kernel.pack(w)
+        assert torch.equal(kernel.unpack(packed), w)
+        got = kernel.matmul(x.to(dtype), packed)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), x.to(dtype).float() @ w.float(), rtol=1e-2, atol=1e-2)
+        assert torch.equal(kernel.matmul(x[4:5].to(dtype), packed)[0], got[4])

@@ -23,11 +23,14 @@ from torch import Tensor
 
 from specdecode.kernels import build
 from specdecode.kernels.base import LayerWeights
+from specdecode.kernels.reference import apply_rotary
 from specdecode.kernels.reference import rms_norm as torch_rms_norm
 from specdecode.kernels.reference import silu_mul as torch_silu_mul
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "quant_gemm.cpp", _HERE / "row_ops.cpp", _HERE / "decoder.cpp", _HERE / "probe.cpp")
+_SOURCES = tuple(
+    _HERE / f for f in ("quant_gemm.cpp", "row_ops.cpp", "decoder.cpp", "probe.cpp", "tiles_f32.cpp")
+)
 _BUILDS = {  # compiler flags of each instruction set's build
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"),
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
@@ -80,6 +83,8 @@ def library(isa: str, optional: bool = True) -> ctypes.CDLL | None:
         *(i, n, n),
     ]
     lib.specdecode_decoder_rows.restype = n
+    lib.specdecode_tiles_f32.argtypes = [p, p, p, i, i, i, n]
+    lib.specdecode_tiles_f32.restype = n
     lib.specdecode_peak_flops.argtypes = [n, i]
     lib.specdecode_peak_flops.restype = ctypes.c_double
     lib.specdecode_read_bandwidth.argtypes = [n, i]
@@ -98,6 +103,31 @@ class Probe:
 
     def read_bandwidth(self, threads: int) -> float:
         return float(self._lib.specdecode_read_bandwidth(threads, 512 * 2**20))
+
+
+class FloatTiles:
+    """x (M, K) @ W for float32 W in 32-column tiles (`cpu_gemm.tile_weight`), on one instruction
+    set's build (`tiles_f32.cpp`): each output a running sum over k in order, so a row's result
+    does not depend on the other rows (and equals AVX-512's `cpu_gemm` kernel's)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+
+    def __call__(self, x: Tensor, tiled: Tensor) -> Tensor:  # (M, K) @ (N/32, K, 32) -> (M, N)
+        t, k, w = tiled.shape
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], t * w)
+        done = self._lib.specdecode_tiles_f32(
+            x.data_ptr(), tiled.data_ptr(), y.data_ptr(), x.shape[0], k, t * w, torch.get_num_threads()
+        )
+        if done != 0:
+            raise ValueError(f"float tiles: unsupported shape (M={x.shape[0]}, K={k}, N={t * w})")
+        return y
+
+
+def float_tiles(isa: str) -> FloatTiles | None:
+    lib = library(isa)
+    return None if lib is None else FloatTiles(lib)
 
 
 def probe(isa: str) -> Probe | None:
@@ -189,7 +219,7 @@ class RowOps:
     """Row attention (the `AttendRows` interface) and RMS norm of one instruction set's build."""
 
     head_dims: ClassVar[tuple[int, ...]] = HEAD_DIMS
-    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
     device_type: ClassVar[str] = "cpu"
 
     def __init__(self, isa: str, lib: ctypes.CDLL) -> None:
@@ -229,7 +259,12 @@ class RowOps:
     ) -> None:  # fmt: skip
         """Store the rows' new keys/values in the cache, then softmax(q k^T / sqrt(D)) v over each
         row's slots into `out`. With `cos`/`sin`, q and the new keys are rotated first (bitwise as
-        `reference.apply_rotary` does). D must be one of HEAD_DIMS."""
+        `reference.apply_rotary` does). D must be one of HEAD_DIMS. Rows in bfloat16 or float16
+        are widened to float32 for the kernel (`_attend_widened`)."""
+        if q.dtype is not torch.float32:
+            assert cos is not None and sin is not None
+            self._attend_widened(q, k, v, cache_k, cache_v, rows, new_slots, row_ptr, idx, out, cos, sin)
+            return
         h, _, d = q.shape
         hkv = k.shape[0]
         assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
@@ -246,6 +281,29 @@ class RowOps:
         )  # fmt: skip
         if done != 0:
             raise ValueError(f"attention kernel: unsupported shape (H={h}, H_kv={hkv}, D={d})")
+
+    def _attend_widened(  # shapes: `base.AttendRows`, in bfloat16 or float16
+        self, q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Tensor, rows: Tensor,
+        new_slots: Tensor, row_ptr: Tensor, idx: Tensor, out: Tensor, cos: Tensor, sin: Tensor,
+    ) -> None:  # fmt: skip
+        """Rows in half precision: their queries and new keys rotated in their dtype (as
+        `reference.apply_rotary` does for a prompt's rows), the new keys and values stored, then
+        the float32 kernel over the slots the rows read, widened into a compact copy (the rows'
+        slot lists renumbered in the same order): a row's result depends on its own slots alone,
+        as it does in float32 (SDPA over a step's rows rounds a row by the step's shape)."""
+        c, s = cos[rows], sin[rows]  # (R, D)
+        keys = apply_rotary(k[:, rows], c, s)  # (H_kv, R, D)
+        cache_k[:, new_slots] = keys
+        cache_v[:, new_slots] = v[:, rows]
+        seen, local = torch.unique(idx, return_inverse=True)  # (U,) sorted slots; idx renumbered
+        wide_k, wide_v = cache_k[:, seen].float(), cache_v[:, seen].float()  # (H_kv, U, D)
+        queries = apply_rotary(q[:, rows], c, s).float()  # (H, R, D)
+        r = rows.shape[0]
+        res = torch.empty(r, q.shape[0], q.shape[2])  # (R, H, D) float32
+        here = torch.arange(r)
+        own = torch.searchsorted(seen, new_slots)  # the new rows' places in the copy
+        self(queries, keys.float(), v[:, rows].float(), wide_k, wide_v, here, own, row_ptr, local, res)
+        out[rows] = res.to(out.dtype)
 
 
 def row_ops(isa: str) -> RowOps | None:
