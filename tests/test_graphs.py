@@ -326,7 +326,13 @@ def test_triton_kernels_build_for_hopper(dtype: str, group: int, head_dim: int) 
 
     from specdecode.kernels.cuda import SILU_BLOCK, _triton, triton_pow2
 
-    store_rows, row_attention, rms_norm_rows, silu_mul_rows = _triton()
+    k = _triton()
+    store_rows, row_attention, rms_norm_rows, silu_mul_rows = (
+        k.store_rows,
+        k.row_attention,
+        k.rms_norm_rows,
+        k.silu_mul_rows,
+    )
     width = {8: 64, 16: 64, 64: 576, 128: 1536}[head_dim]  # the model's hidden size
     builds = [
         (store_rows, {"D": head_dim}),

@@ -46,19 +46,17 @@ class PaddedLinear(TorchLinear):
         m = x.shape[0]
         pad = -m % ROW_MULTIPLE
         padded = F.pad(x, (0, 0, 0, pad)) if pad else x
-        if m + pad == ROW_MULTIPLE:
-            return super().matmul(padded, packed, bias)[:m]
-        blocks = [super(PaddedLinear, self).matmul(b, packed, bias) for b in padded.split(ROW_MULTIPLE)]
-        return torch.cat(blocks)[:m]
+        products = [TorchLinear.matmul(self, b, packed, bias) for b in padded.split(ROW_MULTIPLE)]
+        return (products[0] if len(products) == 1 else torch.cat(products))[:m]
 
 
 @functools.cache
 def _triton() -> Any:
-    """The Triton kernels (store_rows, row_attention, rms_norm_rows, silu_mul_rows), compiled
-    when first launched."""
-    from specdecode.kernels import cuda_triton as k
+    """The module of the Triton kernels (`cuda_triton`), imported when first needed: each kernel
+    compiles when first launched."""
+    from specdecode.kernels import cuda_triton
 
-    return k.store_rows, k.row_attention, k.rms_norm_rows, k.silu_mul_rows
+    return cuda_triton
 
 
 class TritonRows:
@@ -90,15 +88,15 @@ class TritonRows:
             return
         assert q.stride(2) == k.stride(2) == v.stride(2) == out.stride(2) == 1
         cos, sin = cos.contiguous(), sin.contiguous()
-        store_rows, row_attention, *_ = _triton()
-        store_rows[(r, h_kv)](
+        kernels = _triton()
+        kernels.store_rows[(r, h_kv)](
             k, v, cache_k, cache_v, rows, new_slots, cos, sin,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), cos.stride(0),
             D=d,
         )  # fmt: skip
         group = h // h_kv
-        row_attention[(r, h_kv)](
+        kernels.row_attention[(r, h_kv)](
             q, cache_k, cache_v, out, rows, row_ptr, idx, cos, sin, 1.0 / math.sqrt(d),
             q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0),
             cache_v.stride(1), out.stride(0), out.stride(1), cos.stride(0),
@@ -135,7 +133,7 @@ def launch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     n = x.shape[-1]
     rows = _rows(x)  # (M, C)
     out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    _triton()[2][(rows.shape[0],)](
+    _triton().rms_norm_rows[(rows.shape[0],)](
         rows, weight, out, rows.stride(0), out.stride(0), n, eps,
         LOW=x.dtype != torch.float32, BLOCK=triton_pow2(n),
     )  # fmt: skip
@@ -148,7 +146,8 @@ def launch_silu_mul(gate_up: Tensor) -> Tensor:
     rows = _rows(gate_up)  # (M, 2 I)
     out = torch.empty(rows.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
     block = min(SILU_BLOCK, triton_pow2(n))
-    _triton()[3][(rows.shape[0], -(-n // block))](rows, out, rows.stride(0), out.stride(0), n, BLOCK=block)
+    grid = (rows.shape[0], -(-n // block))
+    _triton().silu_mul_rows[grid](rows, out, rows.stride(0), out.stride(0), n, BLOCK=block)
     return out.view(*gate_up.shape[:-1], n)
 
 
