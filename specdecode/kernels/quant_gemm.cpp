@@ -525,7 +525,7 @@ constexpr int UNIT = 2 * TILE;
 #if defined(__AVX512F__)
 constexpr int TILES = 2, FEW = 32, FR = 6, FR1 = 12, SR = 6, PR = 6;
 #elif defined(__AVX2__)
-constexpr int TILES = 1, FEW = 8, FR = 2, FR1 = 0, SR = 3, PR = 2;
+constexpr int TILES = 1, FEW = 32, FR = 2, FR1 = 0, SR = 3, PR = 2;
 #else
 constexpr int TILES = 1, FEW = 2, FR = 1, FR1 = 0, SR = 1, PR = 1;
 #endif
@@ -628,6 +628,79 @@ __attribute__((noinline)) void few_rows(const float* x, const float* xs, int64_t
     }
     for (int r = 0; r < R; ++r) acc.store(r, y + r * ldy + first * TILE, valid - first * TILE);
 }
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2's decoding rows: a tile's 16 outputs as two halves of 8 (one ymm each), R <= FR8 rows of a
+// half at a time. A whole tile at 2 rows took 16 ymm for 4 sums and its quants, so 4 rows decoded
+// every step twice; a half holds 4 rows' 8 sums in registers and decodes each step once for them
+// (the other half's decoding is dead code the compiler drops). Each lane's operations and their
+// order are few_rows's: the same bits as AVX-512's, in any batch. Q8_0, whose quants take two
+// operations a step to decode, keeps whole tiles (its half steps were 10-15% slower: twice the
+// broadcasts of x for the same multiply-adds).
+constexpr int FR8 = 4;
+
+template <int H>
+inline __m256 half8(V a) {
+    if constexpr (H == 0) {
+        return a.lo;
+    } else {
+        return a.hi;
+    }
+}
+
+// Half H of group g (its scales and quants) for R rows, applied to their running sums acc.
+template <class F, int R, int H>
+inline void group_half(const typename F::Group& g, const float* x, const float* xs, int64_t K, int64_t k0,
+                       float (&acc)[R][TILE]) {
+    __m256 lo[R], hi[R];
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {
+        V ql, qh;
+        F::quants(g, j, ql, qh);
+        const __m256 l = half8<H>(ql), h = half8<H>(qh);
+        for (int r = 0; r < R; ++r) {
+            lo[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * K + k0 + j]), l, lo[r]);
+            hi[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * K + k0 + 16 + j]), h, hi[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {  // apply<F::uniform>, on this half
+        const float x_lo = xs[r * (K / 16) + k0 / 16], x_hi = xs[r * (K / 16) + k0 / 16 + 1];
+        __m256 a = _mm256_load_ps(acc[r] + 8 * H);
+        if constexpr (F::uniform) {
+            a = _mm256_fmadd_ps(half8<H>(g.a_lo), _mm256_add_ps(lo[r], hi[r]), a);
+            a = _mm256_fmadd_ps(half8<H>(g.b_lo), _mm256_set1_ps(x_lo + x_hi), a);
+        } else {
+            a = _mm256_fmadd_ps(half8<H>(g.a_lo), lo[r], a);
+            a = _mm256_fmadd_ps(half8<H>(g.a_hi), hi[r], a);
+            a = _mm256_fmadd_ps(half8<H>(g.b_lo), _mm256_set1_ps(x_lo), a);
+            a = _mm256_fmadd_ps(half8<H>(g.b_hi), _mm256_set1_ps(x_hi), a);
+        }
+        _mm256_store_ps(acc[r] + 8 * H, a);
+    }
+}
+
+// R rows of x over tile `first` of a unit, each group decoded half by half (see FR8).
+template <class F, int R>
+__attribute__((noinline)) void few_rows8(const float* x, const float* xs, int64_t K, const uint8_t* unit,
+                                         int first, float* y, int64_t ldy, int valid) {
+    constexpr int groups = F::weights / 32;
+    alignas(32) float acc[R][TILE] = {};
+    for (int64_t b = 0; b < K / F::weights; ++b) {
+        prefetch_ahead<F>(unit + 2 * b * F::packed, 2 * F::packed);
+        for (int i = 0; i < groups; ++i) {
+            const typename F::Group g = F::group(unit + (2 * b + first) * F::packed, i);
+            const int64_t k0 = (b * groups + i) * 32;
+            group_half<F, R, 0>(g, x, xs, K, k0, acc);
+            group_half<F, R, 1>(g, x, xs, K, k0, acc);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const V s[1] = {loadv(acc[r])};
+        lanes_store<1>(s, y + r * ldy + first * TILE, valid - first * TILE);
+    }
+}
+#endif
 
 // A unit decoded into scratch, per group of 32 and tile: the tile's scales (lanes_group's four
 // V), then 16 steps x (lo, hi) quants.
@@ -1000,6 +1073,22 @@ void product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, 
                     continue;
                 }
             }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+            if (few && F::bits < 8) {  // rows past FR8 decode the tile again, from cache; 1 or 2 take whole tiles
+                for (int first = 0; first < 2; ++first) {
+                    const float* xr = x;
+                    const float* sr = xs.data();
+                    float* yr = y + n0;
+                    const auto next = [&](int r) { xr += r * K, sr += r * (K / 16), yr += r * ldy; };
+                    int64_t m = M;
+                    for (; m >= FR8; m -= FR8, next(FR8)) few_rows8<F, FR8>(xr, sr, K, unit, first, yr, ldy, valid);
+                    if (m == 3) few_rows8<F, 3>(xr, sr, K, unit, first, yr, ldy, valid);
+                    if (m == 2) few_rows<F, 2, 1>(xr, sr, K, unit, first, yr, ldy, valid);
+                    if (m == 1) few_rows<F, 1, 1>(xr, sr, K, unit, first, yr, ldy, valid);
+                }
+                continue;
+            }
+#endif
             if (few) {  // rows past FR decode the unit again, from cache
                 for (int first = 0; first < 2; first += TILES) {
                     const float* xr = x;
