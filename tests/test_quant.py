@@ -58,7 +58,7 @@ def test_products_of_stored_weights(isa: str, fmt: str, outputs: int) -> None:
     assert torch.equal(kernel.rows(weight, torch.arange(outputs)), reference.t())  # the same values, bitwise
     assert torch.equal(kernel.rows(weight, torch.tensor([outputs - 1, 3])), reference.t()[[outputs - 1, 3]])
     x = torch.randn(40, 512, generator=torch.Generator().manual_seed(1))
-    y = kernel.matmul(x, weight)  # 40 rows: through scratch
+    y = kernel.matmul(x, weight)  # 40 rows: through scratch (AVX2: in registers, half tiles)
     want = x.double() @ reference.double()
     torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-6 * float(want.abs().max()))
     # a row alone, in register blocks of each size, several passes of them, and through scratch
@@ -83,8 +83,8 @@ def test_avx2_and_avx512_give_the_same_bits(fmt: str) -> None:
     weight = wide.pack(stored)
     again = narrow.pack(stored)
     assert all(torch.equal(a.data, b.data) for a, b in zip(weight.parts, again.parts, strict=True))
-    x = torch.randn(24, 768, generator=torch.Generator().manual_seed(2))
-    for m in (1, 2, 5, 12, 24):  # in registers, a row at a time and together; through scratch
+    x = torch.randn(40, 768, generator=torch.Generator().manual_seed(2))
+    for m in (1, 2, 3, 5, 12, 24, 40):  # in registers (AVX2: at every count) and through AVX-512's scratch
         assert torch.equal(wide.matmul(x[:m], weight), narrow.matmul(x[:m], weight))
         prompt = wide.matmul(x[:m], weight, prefill=True)
         assert torch.equal(prompt, narrow.matmul(x[:m], weight, prefill=True))
