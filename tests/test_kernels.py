@@ -6,57 +6,70 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.kernels import REFERENCE, build, cpu_gemm
+from specdecode.kernels import REFERENCE, build, tiles
 from specdecode.kernels.cpu import cpu_kernels
-from specdecode.kernels.cpu_isa import HEAD_DIMS, RowOps, float_tiles, row_ops
+from specdecode.kernels.cpu_isa import HEAD_DIMS, RowOps, bf16_tiles, float_tiles, row_ops
 from specdecode.layers.linear import Dense
 from specdecode.models.transformer import Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-needs_kernel = pytest.mark.skipif(cpu_gemm.kernel() is None, reason="no AVX-512 CPU or C++ compiler here")
+needs_bf16 = pytest.mark.skipif(bf16_tiles() is None, reason="no AVX512_BF16 CPU or C++ compiler here")
 
 
+def isa_ops() -> list[object]:
+    """Each instruction set's build of our kernels, skipped where it cannot run here."""
+    return [
+        pytest.param(isa, marks=pytest.mark.skipif(row_ops(isa) is None, reason=f"no {isa} build here"))
+        for isa in build.ISAS
+    ]
+
+
+@pytest.mark.parametrize("isa", isa_ops())
 @pytest.mark.parametrize("m", [1, 2, 5, 12, 13, 16, 24, 25, 40, 64, 65])
 @pytest.mark.parametrize(("k", "n"), [(64, 96), (576, 960), (1536, 576)])
-def test_tiled_matmul_equals_matmul(m: int, k: int, n: int) -> None:
+def test_tiled_matmul_equals_matmul(isa: str, m: int, k: int, n: int) -> None:
     gen = torch.Generator().manual_seed(m * 1000 + n)
     x, w = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
-    tiles = cpu_gemm.tile_weight(w)
-    assert tiles.shape == (n // cpu_gemm.TILE, k, cpu_gemm.TILE)
-    assert torch.equal(cpu_gemm.untile_weight(tiles), w)
+    kernel = cpu_kernels(isa).linear_for(w)
+    assert kernel.name == "cpu-f32-tiles"
+    tiled = kernel.pack(w)
+    assert tiled.shape == (n // tiles.TILE, k, tiles.TILE)
+    assert torch.equal(kernel.unpack(tiled), w)
     # sums of k products of N(0, 1) values: rounding differs from MKL by ~1e-7 * sqrt(k) * |terms|
-    torch.testing.assert_close(cpu_gemm.tiled_matmul(x, tiles), x @ w, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(kernel.matmul(x, tiled), x @ w, rtol=1e-5, atol=1e-3)
 
 
-@needs_kernel
+@pytest.mark.parametrize("isa", isa_ops())
 @pytest.mark.parametrize("m", [2, 7, 12, 16, 24, 40, 64])
-def test_kernel_rows_do_not_depend_on_the_batch(m: int) -> None:
+def test_kernel_rows_do_not_depend_on_the_batch(isa: str, m: int) -> None:
     """Bitwise: a row multiplied alone equals the same row inside any batch (any row block)."""
     gen = torch.Generator().manual_seed(m)
     x, w = torch.randn(m, 576, generator=gen), torch.randn(576, 960, generator=gen)
-    tiles = cpu_gemm.tile_weight(w)
-    batch = cpu_gemm.tiled_matmul(x, tiles)
-    alone = torch.cat([cpu_gemm.tiled_matmul(x[i : i + 1], tiles) for i in range(m)])
+    product = float_tiles(isa)
+    assert product is not None
+    tiled = tiles.tile_weight(w)
+    batch = product(x, tiled)
+    alone = torch.cat([product(x[i : i + 1], tiled) for i in range(m)])
     assert torch.equal(batch, alone)
 
 
-def test_fallback_when_gradients_are_needed() -> None:
+@pytest.mark.parametrize("isa", isa_ops())
+def test_fallback_when_gradients_are_needed(isa: str) -> None:
     """Training reads the same module: the kernel cannot backpropagate, so autograd takes the
     batched-matmul path and gradients flow."""
     w = torch.randn(64, 96)
-    tiles = cpu_gemm.tile_weight(w).requires_grad_()
+    kernel = cpu_kernels(isa).linear_for(w)
+    tiled = kernel.pack(w).requires_grad_()
     x = torch.randn(3, 64)
-    cpu_gemm.tiled_matmul(x, tiles).sum().backward()
-    assert tiles.grad is not None
-    torch.testing.assert_close(cpu_gemm.untile_weight(tiles.grad), x.sum(0, keepdim=True).T.expand(64, 96))
+    kernel.matmul(x, tiled).sum().backward()
+    assert tiled.grad is not None
+    torch.testing.assert_close(tiles.untile_weight(tiled.grad), x.sum(0, keepdim=True).T.expand(64, 96))
 
 
-@pytest.mark.parametrize("kernels", ["reference", "cpu"])
+@pytest.mark.parametrize("kernels", ["reference", *isa_ops()])
 def test_dense_bound_to_kernels_keeps_its_function_and_bias(kernels: str) -> None:
-    if kernels == "cpu" and cpu_gemm.kernel() is None:
-        pytest.skip("no float32 CPU kernels here (no AVX-512 CPU or C++ compiler)")
-    chosen = REFERENCE if kernels == "reference" else cpu_kernels("avx512")
+    chosen = REFERENCE if kernels == "reference" else cpu_kernels(kernels)
     dense = Dense(64, 96, bias=True)
     with torch.no_grad():
         dense.bias.normal_()
@@ -71,12 +84,13 @@ def test_dense_bound_to_kernels_keeps_its_function_and_bias(kernels: str) -> Non
     assert narrow.kernel is chosen.linears[-1] and narrow.kernel.name == "torch"
 
 
-@needs_kernel
 def test_tiled_model_matches_untiled(tiny_model_dir) -> None:
     """Loading binds a CPU float32 model to the CPU kernels; its forward equals the forward of
     the same model bound to PyTorch's."""
     tiled = Transformer.from_dir(tiny_model_dir)
-    assert tiled.kernels.name == "cpu-avx512" and tiled.layers[0].qkv.weight_packed is not None
+    if tiled.kernels.linears[0].name != "cpu-f32-tiles":
+        pytest.skip("no CPU kernels of ours here (no C++ compiler, or SPECDECODE_CPU_ISA=off)")
+    assert tiled.layers[0].qkv.weight_packed is not None
     plain = Transformer.from_dir(tiny_model_dir)
     plain.bind_kernels(REFERENCE)
     assert plain.layers[0].qkv.kernel.name == "torch"
@@ -92,23 +106,25 @@ def test_tiled_model_matches_untiled(tiny_model_dir) -> None:
     torch.testing.assert_close(torch.cat(steps_a, 1), torch.cat(steps_b, 1), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(cpu_gemm.kernel_bf16() is None, reason="no AVX512_BF16 CPU or C++ compiler here")
+@needs_bf16
 @pytest.mark.parametrize("m", [1, 4, 13, 30, 100, 800])
 def test_bf16_kernel_sums_bf16_products_in_float32(m: int) -> None:
     """The screening head's product: inputs and weights rounded to bfloat16, then float32 sums
     (so within float32 rounding of the exact product of the rounded operands)."""
     gen = torch.Generator().manual_seed(m)
     x, w = torch.randn(m, 576, generator=gen), torch.randn(576, 960, generator=gen) * 0.05
-    got = cpu_gemm.tiled_matmul_bf16(x, cpu_gemm.tile_weight_bf16(w))  # (M, N)
+    product = bf16_tiles()
+    assert product is not None
+    tiled = tiles.tile_weight_bf16(w)
+    got = product(x, tiled)  # (M, N)
     want = x.bfloat16().double() @ w.bfloat16().double()
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-4)
     # and each row alone equals the row in the batch
-    tiles = cpu_gemm.tile_weight_bf16(w)
-    alone = torch.cat([cpu_gemm.tiled_matmul_bf16(x[i : i + 1], tiles) for i in range(m)])
+    alone = torch.cat([product(x[i : i + 1], tiled) for i in range(m)])
     assert torch.equal(alone, got)
 
 
-@pytest.mark.skipif(cpu_gemm.kernel_bf16() is None, reason="no AVX512_BF16 CPU or C++ compiler here")
+@needs_bf16
 def test_bf16_dense_tiles_for_few_rows_and_untiles_for_many() -> None:
     dense = Dense(64, 96, bias=True).to(torch.bfloat16)
     with torch.no_grad():
@@ -140,14 +156,6 @@ def _attention_case(d: int, seed: int, a: int = 19, b: int = 16) -> dict:
     sees = [seq_a] + [torch.cat([seq_b[:b], seq_b[b : b + 4][row]]) for row in ancestors]
     new_slots = torch.cat([seq_a[a : a + 1], seq_b[b : b + 4]])
     return dict(q=q, k=k, v=v, cache_k=cache_k, cache_v=cache_v, sees=sees, new_slots=new_slots)
-
-
-def isa_ops() -> list[object]:
-    """Each instruction set's build of the row kernels, skipped where it cannot run here."""
-    return [
-        pytest.param(isa, marks=pytest.mark.skipif(row_ops(isa) is None, reason=f"no {isa} build here"))
-        for isa in build.ISAS
-    ]
 
 
 def ops_of(isa: str) -> RowOps:
@@ -258,7 +266,7 @@ def test_attention_kernel_rotates_queries_and_keys_bitwise_as_torch(isa: str, d:
 def test_approximate_product_keeps_float32_sums_at_any_row_count(m: int) -> None:
     """The greedy screen's error bound assumes the approximate product rounds only its operands:
     at every row count (a batch of 64 decoding requests too), never its outputs."""
-    if cpu_gemm.kernel_bf16() is None:
+    if bf16_tiles() is None:
         pytest.skip("no AVX512_BF16 CPU kernels here")
     kernels = cpu_kernels("avx512")
     gen = torch.Generator().manual_seed(m)
@@ -275,17 +283,17 @@ def test_approximate_product_keeps_float32_sums_at_any_row_count(m: int) -> None
 def test_float_tiles_of_every_build_ignore_the_batch(isa: str, m: int) -> None:
     """`cpu_isa.FloatTiles`, the float32 few-row product of every build: x @ W up to rounding, a
     row's result the same bits alone, and on builds with fused multiply-add (AVX2, AVX-512) the
-    same bits as AVX-512's `cpu_gemm` kernel."""
-    tiles = float_tiles(isa)
-    assert tiles is not None
+    same bits as AVX-512's."""
+    product, wide = float_tiles(isa), float_tiles("avx512")
+    assert product is not None
     gen = torch.Generator().manual_seed(m)
-    x, w = torch.randn(m, 96, generator=gen), torch.randn(96, 64, generator=gen)
-    tiled = cpu_gemm.tile_weight(w)
-    got = tiles(x, tiled)
+    x, w = torch.randn(m, 96, generator=gen), torch.randn(96, 960, generator=gen)  # 30 tiles: in groups
+    tiled = tiles.tile_weight(w)
+    got = product(x, tiled)
     torch.testing.assert_close(got, x @ w, rtol=1e-5, atol=1e-4)
-    assert torch.equal(torch.cat([tiles(x[i : i + 1], tiled) for i in range(m)]), got)
-    if isa != "generic" and cpu_gemm.kernel() is not None:
-        assert torch.equal(got, cpu_gemm.tiled_matmul(x, tiled))
+    assert torch.equal(torch.cat([product(x[i : i + 1], tiled) for i in range(m)]), got)
+    if isa != "generic" and wide is not None:
+        assert torch.equal(got, wide(x, tiled))
 
 
 @pytest.mark.parametrize("isa", ["avx2", "generic"])
@@ -300,7 +308,7 @@ def test_sets_below_avx512_multiply_float_and_bf16_weights_row_by_row(isa: str) 
     for dtype in (torch.float32, torch.bfloat16):
         w = torch.randn(64, 96, generator=gen).to(dtype)
         kernel = kernels.linear_for(w)
-        assert kernel.name in ("cpu-f32-tiles-isa", "cpu-bf16-layers-isa")
+        assert kernel.name in ("cpu-f32-tiles", "cpu-bf16-widened")
         packed = kernel.pack(w)
         assert torch.equal(kernel.unpack(packed), w)
         got = kernel.matmul(x.to(dtype), packed)

@@ -141,7 +141,7 @@ def test_the_checks_see_a_planted_upward_import(tmp_path: Path) -> None:
 
 def test_compiled_kernels_are_reached_only_through_the_boundary() -> None:
     """ctypes is imported by the kernels package alone; outside it, nothing imports a kernel
-    implementation (`specdecode.kernels.cpu_gemm`, `.cpu`, `.reference`) but the interface, and
+    implementation (`specdecode.kernels.cpu_isa`, `.cpu`, `.reference`) but the interface, and
     drafters import no kernels at all: they read the model's layers and LM head."""
     offenders = []
     for path in ROOT.rglob("*.py"):

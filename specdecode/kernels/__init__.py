@@ -8,10 +8,10 @@ dtype or a library again. Three exist today:
 
 - `REFERENCE` / `EXACT`: PyTorch's own ops, on any device and dtype (what the CPU kernels fall
   back to and are tested against), with and without an approximate bfloat16 product;
-- the CPU kernels (`cpu.py`, over the ctypes libraries of `cpu_gemm.py` and `cpu_isa.py`):
-  few-row float32 and bfloat16 matmuls on 32-column tiles (AVX-512), and, built per instruction
-  set, a fused RMS norm, row attention and products of weights kept in GGUF block formats, where
-  the CPU and a compiler allow;
+- the CPU kernels (`cpu.py`, over the ctypes library of `cpu_isa.py`), built per instruction
+  set where the CPU and a compiler allow: few-row float32 matmuls on 32-column tiles (bfloat16
+  ones with AVX512_BF16), a fused RMS norm, row attention and products of weights kept in GGUF
+  block formats;
 - the GPU's (`cuda.py`): PyTorch's ops with rows padded so that a row's products do not depend
   on the forward's size, a Triton row attention, and a probe of the card's bounds.
 

@@ -1,11 +1,12 @@
 """Our kernels built once per instruction set: the quantized products (`quant_gemm.cpp`, wrapped
-by `quant.py`), row attention and RMS norm (`row_ops.cpp`), all computing in the 16 float lanes of
+by `quant.py`), row attention and RMS norm (`row_ops.cpp`), the products of float weights in
+32-column tiles (`tiles.cpp`; `tiles.py` lays them out), all computing in the 16 float lanes of
 `lanes.h`, and the probe of their peak multiply-add rate (`probe.cpp`, for benchmarks' bounds).
 
 Each source is built for AVX-512, for AVX2 + FMA + F16C, and portably (plain loops the compiler
 vectorizes for its target: SSE2 on x86, NEON on ARM); `SPECDECODE_CPU_ISA` forces one, else the
 best this CPU runs is used (`build.best_isa`). The library is compiled on first use into the cache
-directory and called through ctypes: this module and `cpu_gemm.py` are the only ones that do.
+directory and called through ctypes: this module is the only one that does (with `quant.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from specdecode.kernels import build
+from specdecode.kernels import build, tiles
 from specdecode.kernels.base import LayerWeights
 from specdecode.kernels.reference import apply_rotary
 from specdecode.kernels.reference import rms_norm as torch_rms_norm
@@ -29,7 +30,7 @@ from specdecode.kernels.reference import silu_mul as torch_silu_mul
 
 _HERE = Path(__file__).parent
 _SOURCES = tuple(
-    _HERE / f for f in ("quant_gemm.cpp", "row_ops.cpp", "decoder.cpp", "probe.cpp", "tiles_f32.cpp")
+    _HERE / f for f in ("quant_gemm.cpp", "row_ops.cpp", "decoder.cpp", "probe.cpp", "tiles.cpp")
 )
 _BUILDS = {  # compiler flags of each instruction set's build
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"),
@@ -85,6 +86,9 @@ def library(isa: str, optional: bool = True) -> ctypes.CDLL | None:
     lib.specdecode_decoder_rows.restype = n
     lib.specdecode_tiles_f32.argtypes = [p, p, p, i, i, i, n]
     lib.specdecode_tiles_f32.restype = n
+    if isa == "avx512":
+        lib.specdecode_tiles_bf16.argtypes = [p, p, p, i, i, i, n]
+        lib.specdecode_tiles_bf16.restype = n
     lib.specdecode_peak_flops.argtypes = [n, i]
     lib.specdecode_peak_flops.restype = ctypes.c_double
     lib.specdecode_read_bandwidth.argtypes = [n, i]
@@ -106,9 +110,9 @@ class Probe:
 
 
 class FloatTiles:
-    """x (M, K) @ W for float32 W in 32-column tiles (`cpu_gemm.tile_weight`), on one instruction
-    set's build (`tiles_f32.cpp`): each output a running sum over k in order, so a row's result
-    does not depend on the other rows (and equals AVX-512's `cpu_gemm` kernel's)."""
+    """x (M, K) @ W for float32 W in 32-column tiles (`tiles.tile_weight`), on one instruction
+    set's build (`tiles.cpp`): each output a running sum over k in order, so a row's result does
+    not depend on the other rows, and is the same on every build with fused multiply-add."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
@@ -128,6 +132,36 @@ class FloatTiles:
 def float_tiles(isa: str) -> FloatTiles | None:
     lib = library(isa)
     return None if lib is None else FloatTiles(lib)
+
+
+class BF16Tiles:
+    """Approximately x (M, K) @ W for W in the bf16 kernel's tiles (`tiles.tile_weight_bf16`):
+    x rounded to bfloat16, products summed in float32 (AVX512_BF16), each row on its own."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+
+    def __call__(self, x: Tensor, tiled: Tensor) -> Tensor:  # (M, K) @ (N/32, K/2, 32, 2) -> (M, N)
+        t, k2, w, _ = tiled.shape
+        xb = x.to(torch.bfloat16).contiguous()
+        y = torch.empty(x.shape[0], t * w)
+        threads = torch.get_num_threads()
+        for s in range(0, x.shape[0], tiles.BF16_CALL_ROWS):
+            part, out = xb[s : s + tiles.BF16_CALL_ROWS], y[s : s + tiles.BF16_CALL_ROWS]
+            if self._lib.specdecode_tiles_bf16(
+                part.data_ptr(), tiled.data_ptr(), out.data_ptr(), part.shape[0], 2 * k2, t * w, threads
+            ):
+                raise ValueError(f"bf16 tiles: unsupported shape (K={2 * k2}, N={t * w})")
+        return y
+
+
+def bf16_tiles() -> BF16Tiles | None:
+    """The bf16 tiles of the AVX-512 build, where the CPU has AVX512_BF16 and no lower set is
+    forced (`SPECDECODE_CPU_ISA`)."""
+    if "avx512_bf16" not in build.cpu_flags() or build.forced_isa() not in (None, "avx512"):
+        return None
+    lib = library("avx512")
+    return None if lib is None else BF16Tiles(lib)
 
 
 def probe(isa: str) -> Probe | None:
