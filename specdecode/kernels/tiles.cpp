@@ -72,26 +72,37 @@ constexpr const TileFn* kByRows = kTiles<G, 1, 2, 3, 4, 5, 6>;
 constexpr const TileFn* kByRows = kTiles<G, 1, 2, 3>;
 #endif
 
-// Splits M rows into blocks of at most `most`, as even as possible (16 rows in blocks of 6 are
-// 6 + 5 + 5): fills start/size and returns the number of blocks, or -1 above kMaxBlocks.
-int64_t row_blocks(int64_t M, int64_t most, int64_t* start, int64_t* size) {
-    const int64_t blocks = (M + most - 1) / most;
-    if (blocks > kMaxBlocks) return -1;
-    int64_t done = 0;
-    for (int64_t b = 0; b < blocks; ++b) {
-        size[b] = (M - done + (blocks - b) - 1) / (blocks - b);
-        start[b] = done;
-        done += size[b];
+// M rows in blocks of at most `most`, as even as possible (16 rows in blocks of 6 are 6 + 5 + 5).
+struct Blocks {
+    int64_t n = 0, start[kMaxBlocks], size[kMaxBlocks];
+
+    Blocks(int64_t M, int64_t most) {
+        const int64_t blocks = (M + most - 1) / most;
+        if (blocks > kMaxBlocks) return;  // n = 0: too many rows for one call
+        for (int64_t done = 0; n < blocks; ++n) {
+            size[n] = (M - done + (blocks - n) - 1) / (blocks - n);
+            start[n] = done;
+            done += size[n];
+        }
     }
-    return blocks;
+};
+
+// Each thread's equal run of the N / 32 tiles, [begin, end): run(begin, end) in parallel.
+template <class Run>
+void over_tiles(int64_t N, int threads, const Run& run) {
+    const int64_t n_tiles = N / kTile;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
+        run(n_tiles * me / parts, n_tiles * (me + 1) / parts);
+    }
 }
 
 // Every block of rows over tiles [t, t + G) while they are in L2.
 template <int G>
-void blocks_over(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t t, int64_t blocks,
-                 const int64_t* start, const int64_t* size) {
-    for (int64_t b = 0; b < blocks; ++b)
-        kByRows<G>[size[b]](x + start[b] * K, K, w + t * K * kTile, y + start[b] * N + t * kTile, N);
+void blocks_over(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t t, const Blocks& rows) {
+    for (int64_t b = 0; b < rows.n; ++b)
+        kByRows<G>[rows.size[b]](x + rows.start[b] * K, K, w + t * K * kTile, y + rows.start[b] * N + t * kTile, N);
 }
 
 }  // namespace
@@ -103,22 +114,15 @@ extern "C" {
 // the weights come from memory once. Returns 0, or -1 where N is not a multiple of 32 (or M is
 // past kMaxBlocks blocks).
 int specdecode_tiles_f32(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int threads) {
-    if (N % kTile != 0 || M <= 0) return -1;
-    int64_t start[kMaxBlocks], size[kMaxBlocks];
-    const int64_t blocks = row_blocks(M, kBlockRows, start, size);
-    if (blocks < 0) return -1;
-    const int64_t n_tiles = N / kTile;
-#pragma omp parallel num_threads(threads)
-    {
-        const int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t begin = n_tiles * me / parts, end = n_tiles * (me + 1) / parts;
-        int64_t t = begin;
+    const Blocks rows(M, kBlockRows);
+    if (N % kTile != 0 || rows.n == 0) return -1;
+    over_tiles(N, threads, [&](int64_t t, int64_t end) {
         if (M == 1) {
-            for (; t + kGroupOne <= end; t += kGroupOne) blocks_over<kGroupOne>(x, w, y, K, N, t, blocks, start, size);
+            for (; t + kGroupOne <= end; t += kGroupOne) blocks_over<kGroupOne>(x, w, y, K, N, t, rows);
         }
-        for (; t + kGroup <= end; t += kGroup) blocks_over<kGroup>(x, w, y, K, N, t, blocks, start, size);
-        for (; t < end; ++t) blocks_over<1>(x, w, y, K, N, t, blocks, start, size);
-    }
+        for (; t + kGroup <= end; t += kGroup) blocks_over<kGroup>(x, w, y, K, N, t, rows);
+        for (; t < end; ++t) blocks_over<1>(x, w, y, K, N, t, rows);
+    });
     return 0;
 }
 
@@ -171,20 +175,14 @@ extern "C" {
 // head is read from memory once for any M). Returns 0, or -1 for shapes the tiles do not cover.
 int specdecode_tiles_bf16(const uint16_t* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N,
                           int threads) {
-    if (N % kTile != 0 || K % 2 != 0 || M <= 0) return -1;
-    int64_t start[kMaxBlocks], size[kMaxBlocks];
-    const int64_t blocks = row_blocks(M, kBf16Rows, start, size);
-    if (blocks < 0) return -1;
-    const int64_t n_tiles = N / kTile;
-#pragma omp parallel num_threads(threads)
-    {
-        const int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t begin = n_tiles * me / parts, end = n_tiles * (me + 1) / parts;
+    const Blocks rows(M, kBf16Rows);
+    if (N % kTile != 0 || K % 2 != 0 || rows.n == 0) return -1;
+    over_tiles(N, threads, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t)
-            for (int64_t b = 0; b < blocks; ++b)
-                kBf16ByRows[size[b]](reinterpret_cast<const uint32_t*>(x + start[b] * K), K / 2, w + t * K * kTile,
-                                     y + start[b] * N + t * kTile, N);
-    }
+            for (int64_t b = 0; b < rows.n; ++b)
+                kBf16ByRows[rows.size[b]](reinterpret_cast<const uint32_t*>(x + rows.start[b] * K), K / 2,
+                                          w + t * K * kTile, y + rows.start[b] * N + t * kTile, N);
+    });
     return 0;
 }
 
