@@ -196,10 +196,11 @@ class StepPlan:
             return cls(None, None, torch.tensor([req.root], device=device), zero, None)
         tree = proposal.tree.to(device)
         n, m = tree.num_nodes, proposal.num_side
-        depths = tree.depths()  # (N+1,)
+        ancestors = tree.ancestor_mask()  # (N+1, N+1)
+        depths = ancestors.sum(dim=1) - 1  # (N+1,): `tree.depths()`, without walking the tree again
         ids = torch.cat([torch.tensor([req.root], device=device), tree.tokens])  # (N+1,)
         among_new = torch.zeros(n + 1 + m, n + 1 + m, dtype=torch.bool, device=device)
-        among_new[: n + 1, : n + 1] = tree.ancestor_mask()
+        among_new[: n + 1, : n + 1] = ancestors
         if m:
             assert proposal.side_tokens is not None and proposal.side_depths is not None
             assert proposal.side_mask is not None
