@@ -86,7 +86,7 @@ def library(isa: str, optional: bool = True) -> ctypes.CDLL | None:
     lib.specdecode_decoder_rows.restype = n
     lib.specdecode_tiles_f32.argtypes = [p, p, p, i, i, i, n]
     lib.specdecode_tiles_f32.restype = n
-    if isa == "avx512":
+    if hasattr(lib, "specdecode_tiles_bf16"):  # the AVX-512 build, where the compiler has AVX512_BF16
         lib.specdecode_tiles_bf16.argtypes = [p, p, p, i, i, i, n]
         lib.specdecode_tiles_bf16.restype = n
     lib.specdecode_peak_flops.argtypes = [n, i]
@@ -161,7 +161,7 @@ def bf16_tiles() -> BF16Tiles | None:
     if "avx512_bf16" not in build.cpu_flags() or build.forced_isa() not in (None, "avx512"):
         return None
     lib = library("avx512")
-    return None if lib is None else BF16Tiles(lib)
+    return None if lib is None or not hasattr(lib, "specdecode_tiles_bf16") else BF16Tiles(lib)
 
 
 def probe(isa: str) -> Probe | None:

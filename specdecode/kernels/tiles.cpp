@@ -128,7 +128,9 @@ int specdecode_tiles_f32(const float* x, const float* w, float* y, int64_t M, in
 
 }  // extern "C"
 
-#if defined(__AVX512F__)
+// (AVX512_BF16's intrinsics need GCC 10 or clang 10: with an older compiler the build has no bf16
+// entry, and `cpu_isa.bf16_tiles` finds none.)
+#if defined(__AVX512F__) && (defined(__clang__) ? __clang_major__ >= 10 : __GNUC__ >= 10)
 // ---- bfloat16 weights (AVX512_BF16) -------------------------------------------------------------
 // Tile t holds 32 columns as (K / 2, 32, 2): for each pair of k, the 32 columns' two weights side
 // by side, the operand layout of VDPBF16PS (lane j += a[2j] b[2j] + a[2j+1] b[2j+1], float32
