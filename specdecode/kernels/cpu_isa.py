@@ -6,7 +6,7 @@ by `quant.py`), row attention and RMS norm (`row_ops.cpp`), the products of floa
 Each source is built for AVX-512, for AVX2 + FMA + F16C, and portably (plain loops the compiler
 vectorizes for its target: SSE2 on x86, NEON on ARM); `SPECDECODE_CPU_ISA` forces one, else the
 best this CPU runs is used (`build.best_isa`). The library is compiled on first use into the cache
-directory and called through ctypes: this module is the only one that does (with `quant.py`).
+directory and called through ctypes, by this module and `quant.py` alone.
 """
 
 from __future__ import annotations

@@ -519,7 +519,8 @@ constexpr int UNIT = 2 * TILE;
 // Per build: up to FEW rows of x decode a unit in registers, TILES of its two tiles and R <= FR
 // rows at a time (2 R TILES sums within the registers: 32 zmm, 16 ymm; the running totals wait
 // in L1); more rows decode a unit into scratch and run SR rows at a time over it; prefill rows run
-// PR at a time over a unit dequantized into scratch.
+// PR at a time over a unit dequantized into scratch. (AVX2 runs 3 or more rows in half tiles,
+// `few_rows8`, and never decodes into scratch.)
 // Past FR rows and up to FR1, a unit's tiles go one at a time, R <= FR1 rows each (2 R sums):
 // each tile is decoded once, not once per FR rows.
 #if defined(__AVX512F__)
