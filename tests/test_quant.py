@@ -74,22 +74,24 @@ def test_products_of_stored_weights(isa: str, fmt: str, outputs: int) -> None:
 
 @pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
 def test_avx2_and_avx512_give_the_same_bits(fmt: str) -> None:
-    """Both builds lay weights out alike and keep the same 16 lanes of fused multiply-adds in the
-    same order, so a model decodes the same tokens on a CPU with AVX-512 and on one with only AVX2."""
+    """Both builds keep the same quants and scales (AVX-512 its 4-bit quants in words, AVX2 in
+    GGUF's byte pairs) and the same 16 lanes of fused multiply-adds in the same order, so a model
+    decodes the same tokens on a CPU with AVX-512 and on one with only AVX2."""
     wide, narrow = quant_kernel("avx512"), quant_kernel("avx2")
     if wide is None or narrow is None:
         pytest.skip("needs both the AVX-512 and the AVX2 build")
     stored = random_weight(fmt, 21, 768, seed=7)
-    weight = wide.pack(stored)
-    again = narrow.pack(stored)
-    assert all(torch.equal(a.data, b.data) for a, b in zip(weight.parts, again.parts, strict=True))
+    weight, again = wide.pack(stored), narrow.pack(stored)
+    assert wide.layout != narrow.layout and torch.equal(wide.dequantize(weight), narrow.dequantize(again))
+    with pytest.raises(ValueError, match="packed by it"):  # one build's layout is not read as the other's
+        narrow.matmul(torch.ones(1, 768), weight)
     x = torch.randn(40, 768, generator=torch.Generator().manual_seed(2))
     for m in (1, 2, 3, 5, 12, 24, 40):  # in registers (AVX2: at every count) and through AVX-512's scratch
-        assert torch.equal(wide.matmul(x[:m], weight), narrow.matmul(x[:m], weight))
+        assert torch.equal(wide.matmul(x[:m], weight), narrow.matmul(x[:m], again))
         prompt = wide.matmul(x[:m], weight, prefill=True)
-        assert torch.equal(prompt, narrow.matmul(x[:m], weight, prefill=True))
+        assert torch.equal(prompt, narrow.matmul(x[:m], again, prefill=True))
         draft = wide.approximate().matmul(x[:m], weight, prefill=True)  # integer sums, then the same floats
-        assert torch.equal(draft, narrow.approximate().matmul(x[:m], weight, prefill=True))
+        assert torch.equal(draft, narrow.approximate().matmul(x[:m], again, prefill=True))
 
 
 def on_int8_grid(rows: int, cols: int, seed: int) -> torch.Tensor:

@@ -43,8 +43,13 @@ HEAD_DIMS = (16, 32, 64, 128)  # head sizes the row attention is built for
 # quant_gemm.cpp's arithmetic of a product's rows: a decoding step's (each row's result the same in
 # any batch), a prompt's (float32 activations), a draft's prompt (int8 activations)
 DECODING, EXACT_PREFILL, INT8_PREFILL = 0, 1, 2
-LAYOUT = "tiles32"  # quant_gemm.cpp's: 32 outputs interleaved block by block (the same on every build)
-UNIT = 32  # outputs of one unit of that layout
+UNIT = 32  # outputs of one unit of quant_gemm.cpp's layouts (32 outputs interleaved block by block)
+
+
+def layout(lib: ctypes.CDLL) -> str:
+    """The name of a build's layout of stored weights (quant_gemm.cpp's `specdecode_qlayout`: the
+    4-bit quants in words on AVX-512, in GGUF's byte pairs elsewhere)."""
+    return lib.specdecode_qlayout().decode()
 
 
 @functools.cache
@@ -61,6 +66,8 @@ def library(isa: str, optional: bool = True) -> ctypes.CDLL | None:
     if lib is None:
         return None
     p, i, f, n = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    lib.specdecode_qlayout.argtypes = []
+    lib.specdecode_qlayout.restype = ctypes.c_char_p
     lib.specdecode_qpacked_bytes.argtypes = [n, i, i]
     lib.specdecode_qpacked_bytes.restype = i
     lib.specdecode_qpack.argtypes = [n, p, i, i, p]
@@ -246,7 +253,7 @@ class Decoder:
 
 def decoder_rows(isa: str) -> Decoder | None:
     lib = library(isa)
-    return None if lib is None else Decoder(lib, LAYOUT)
+    return None if lib is None else Decoder(lib, layout(lib))
 
 
 class RowOps:

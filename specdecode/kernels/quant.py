@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from specdecode.kernels.base import GGUF_LAYOUT, QUANT_FORMATS, QuantPart, QuantWeight
-from specdecode.kernels.cpu_isa import DECODING, EXACT_PREFILL, INT8_PREFILL, LAYOUT, UNIT, library
+from specdecode.kernels.cpu_isa import DECODING, EXACT_PREFILL, INT8_PREFILL, UNIT, layout, library
 
 
 class QuantCPU:
@@ -24,10 +24,10 @@ class QuantCPU:
     rounded per group of 32 (a draft's: `approximate`)."""
 
     formats: ClassVar[frozenset[str]] = frozenset(QUANT_FORMATS)
-    layout: ClassVar[str] = LAYOUT
 
     def __init__(self, isa: str, lib: ctypes.CDLL, prefill: int = EXACT_PREFILL) -> None:
         self.isa, self._lib, self.prefill = isa, lib, prefill
+        self.layout = layout(lib)  # the build's own: weights it packs run on it (and its kind) only
         self.name = f"cpu-quant-{isa}" + ("-int8-prefill" if prefill == INT8_PREFILL else "")
 
     def approximate(self) -> QuantCPU:
@@ -53,11 +53,11 @@ class QuantCPU:
                 src = part.data.contiguous()
                 self._lib.specdecode_qpack(fmt, src.data_ptr(), part.rows, k, out.data_ptr() + at)
                 at += self._lib.specdecode_qpacked_bytes(fmt, part.rows, k)
-            packed.append(QuantPart(group[0].format, out, LAYOUT, rows))
+            packed.append(QuantPart(group[0].format, out, self.layout, rows))
         return QuantWeight(k, tuple(packed))
 
     def _check(self, weight: QuantWeight) -> None:
-        if weight.layout != LAYOUT:
+        if weight.layout != self.layout:
             raise ValueError(f"{self.name} takes weights packed by it, not laid out as {weight.layout}")
 
     def matmul(
@@ -114,7 +114,7 @@ class QuantCPU:
             return None
         fmt = QUANT_FORMATS[first.format][0]
         size = self._lib.specdecode_qpacked_bytes(fmt, n, weight.in_features)
-        return QuantWeight(weight.in_features, (QuantPart(first.format, first.data[:size], LAYOUT, n),))
+        return QuantWeight(weight.in_features, (QuantPart(first.format, first.data[:size], self.layout, n),))
 
 
 def _mergeable(parts: tuple[QuantPart, ...]) -> list[list[QuantPart]]:

@@ -76,7 +76,7 @@ class Dense(nn.Module):
             if quant is not None and all(p.format in quant.formats for p in self.quantized.parts):
                 if self.quantized.layout == GGUF_LAYOUT:
                     self.quantized = quant.pack(self.quantized)
-                if self.quantized.layout == quant.layout:  # every CPU build shares one
+                if self.quantized.layout == quant.layout:  # packed by a build of this layout
                     self.kernel = quant
                     return
             self.weight_t = nn.Parameter(self.matrix(), requires_grad=False)
