@@ -8,7 +8,7 @@ import torch
 
 from specdecode.kernels import REFERENCE, build, tiles
 from specdecode.kernels.cpu import cpu_kernels
-from specdecode.kernels.cpu_isa import HEAD_DIMS, RowOps, bf16_tiles, float_tiles, row_ops
+from specdecode.kernels.cpu_isa import HEAD_DIMS, RowOps, attention_prefetch, bf16_tiles, float_tiles, row_ops
 from specdecode.layers.linear import Dense
 from specdecode.models.transformer import Transformer
 
@@ -207,6 +207,28 @@ def test_attention_kernel_rows_do_not_depend_on_the_batch(isa: str, a: int, b: i
     # B's rows need their ancestors' new keys: run B's tree alone, and A's row alone.
     assert torch.equal(_run_attention(case, [0], ops)[0], together[0])
     assert torch.equal(_run_attention(case, [1, 2, 3, 4], ops)[1:], together[1:])
+
+
+@pytest.mark.parametrize("isa", isa_ops())
+def test_attention_asks_ahead_or_not_with_the_same_bits(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asking for keys and values ahead is the machine's choice (timed when the library loads, or
+    forced by SPECDECODE_ATTENTION_PREFETCH): it never changes a result."""
+    ops = ops_of(isa)
+    monkeypatch.setenv("SPECDECODE_ATTENTION_PREFETCH", "0")
+    assert attention_prefetch(ops._lib) is False
+    monkeypatch.setenv("SPECDECODE_ATTENTION_PREFETCH", "1")
+    assert attention_prefetch(ops._lib) is True
+    monkeypatch.delenv("SPECDECODE_ATTENTION_PREFETCH")
+    chosen = attention_prefetch(ops._lib)  # timed
+    case = _attention_case(64, seed=5, a=150, b=126)
+    try:
+        outs = []
+        for on in (0, 1):
+            ops._lib.specdecode_attention_prefetch(on)
+            outs.append(_run_attention(case, [0, 1, 2, 3, 4], ops))
+    finally:
+        ops._lib.specdecode_attention_prefetch(int(chosen))
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_row_kernels_give_the_same_bits_on_avx2_and_avx512() -> None:

@@ -14,6 +14,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
+import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +103,45 @@ def library(isa: str, optional: bool = True) -> ctypes.CDLL | None:
     lib.specdecode_peak_flops.restype = ctypes.c_double
     lib.specdecode_read_bandwidth.argtypes = [n, i]
     lib.specdecode_read_bandwidth.restype = ctypes.c_double
+    lib.specdecode_attention_prefetch.argtypes = [n]
+    lib.specdecode_attention_prefetch.restype = None
+    lib.specdecode_attention_prefetch(int(attention_prefetch(lib)))
     return lib
+
+
+def attention_prefetch(lib: ctypes.CDLL) -> bool:
+    """Whether row attention should ask for keys and values ahead in software on this machine
+    (row_ops.cpp's `ask_for`): `SPECDECODE_ATTENTION_PREFETCH` (0 or 1) where set, else timed
+    both ways: one row over 2048 slots of 16 layers' caches (50 MB: from memory, not a cache),
+    alternately, five times each; the faster median wins (the same bits either way)."""
+    forced = os.environ.get("SPECDECODE_ATTENTION_PREFETCH")
+    if forced in ("0", "1"):
+        return forced == "1"
+    layers, heads, kv_heads, d, slots = 16, 9, 3, 64, 2048
+    caches = torch.zeros(layers, 2, kv_heads, slots + 1, d)  # zeros: every score alike, as fast as any
+    q, new = torch.zeros(heads, 1, d), torch.zeros(kv_heads, 1, d)
+    rows, new_slot = torch.zeros(1, dtype=torch.int64), torch.full((1,), slots, dtype=torch.int64)
+    row_ptr, idx = torch.tensor([0, slots + 1]), torch.arange(slots + 1)
+    out = torch.empty(1, heads, d)
+
+    def seconds(on: bool) -> float:
+        lib.specdecode_attention_prefetch(int(on))
+        start = time.perf_counter()
+        for k, v in caches:
+            lib.specdecode_attend_rows(
+                q.data_ptr(), q.stride(0), q.stride(1), new.data_ptr(), new.stride(0), new.stride(1),
+                new.data_ptr(), new.stride(0), new.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0),
+                rows.data_ptr(), new_slot.data_ptr(), 1, row_ptr.data_ptr(), idx.data_ptr(), out.data_ptr(),
+                out.stride(0), heads, kv_heads, d, 0.125, None, None, torch.get_num_threads(),
+            )  # fmt: skip
+        return time.perf_counter() - start
+
+    seconds(True)  # the caches' pages touched
+    runs: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(5):
+        for on in (True, False):
+            runs[on].append(seconds(on))
+    return statistics.median(runs[True]) <= statistics.median(runs[False])
 
 
 class Probe:

@@ -45,8 +45,13 @@ constexpr int MAX_GROUP = 16;
 constexpr int64_t SPAN = 64;
 
 // Ask for the n rows of D floats at `base + slots[i] * D` now (the hardware's prefetching, a
-// stream or two per thread, read a row's keys and values at ~25 GB/s on two cores).
+// stream or two per thread, read a row's keys and values at ~25 GB/s on two cores of a Zen 5).
+// Whether to is the machine's: the instructions cost more than they gain on some (a Zen 4's
+// attention over 1024 slots, one row, 8% faster without them on AVX-512, 22% on AVX2), so it is
+// timed both ways when the library loads (`cpu_isa.py`) and set by specdecode_attention_prefetch.
+// Either way the same arithmetic: the same bits.
 constexpr int64_t AHEAD = 32;  // slots ahead
+bool ask_ahead = true;
 inline void ask_for(const float* base, const int64_t* slots, int64_t n, int64_t D) {
     for (int64_t i = 0; i < n; ++i)
         for (int64_t d = 0; d < D; d += 16) prefetch(base + slots[i] * D + d);
@@ -104,7 +109,7 @@ void attend_span(int G, const float* const* q, const float* __restrict kc, const
         const int64_t n = L - j0 < 16 ? L - j0 : 16;
         const float* key[16];
         for (int64_t k = 0; k < 16; ++k) key[k] = kc + idx[j0 + (k < n ? k : n - 1)] * D;  // past L: the last again
-        if (j0 + AHEAD < L_all) {  // keys and values ahead (a span's values are read after its scores)
+        if (ask_ahead && j0 + AHEAD < L_all) {  // keys and values ahead (a span's values are read after its scores)
             ask_for(kc, idx + j0 + AHEAD, std::min<int64_t>(16, L_all - j0 - AHEAD), D);
             ask_for(vc, idx + j0 + AHEAD, std::min<int64_t>(16, L_all - j0 - AHEAD), D);
         }
@@ -256,6 +261,9 @@ inline V silu_times(V x, V up) {
 }  // namespace
 
 extern "C" {
+
+// Whether row attention asks for keys and values ahead in software (see `ask_for`).
+void specdecode_attention_prefetch(int on) { ask_ahead = on != 0; }
 
 // q (H, T, D) at strides (q_sh, q_st); new keys/values (Hkv, T, D) likewise; cos/sin (T, D) the
 // rotary tables at each row's position, applied here to q and the new keys (null: already done);
