@@ -411,9 +411,13 @@ def test_typical_acceptance_leaves_greedy_exact(target: Transformer) -> None:
 def test_shipped_heads_on_spec_bench() -> None:
     """Greedy equality and τ >= 1.5 with the heads shipped for SmolLM2-135M and the whole tree
     fitted to them (the default tree is its first DEFAULT_TREE_NODES nodes, sized for speed on a
-    CPU), on one question of each Spec-Bench category."""
+    CPU), on one question of each Spec-Bench category (the questions live beside the checkout,
+    in ../shared, not in it: a clone elsewhere skips)."""
     from specdecode.bench.specbench import DEFAULT_QUESTIONS, load_questions
     from specdecode.drafters.medusa import shipped_heads
+
+    if not DEFAULT_QUESTIONS.is_file():
+        pytest.skip(f"no Spec-Bench questions at {DEFAULT_QUESTIONS}")
 
     fitted = load_heads(shipped_heads("smollm2-135m")).choices
     assert fitted is not None and len(fitted) > DEFAULT_TREE_NODES
