@@ -215,11 +215,11 @@ def test_attention_asks_ahead_or_not_with_the_same_bits(isa: str, monkeypatch: p
     forced by SPECDECODE_ATTENTION_PREFETCH): it never changes a result."""
     ops = ops_of(isa)
     monkeypatch.setenv("SPECDECODE_ATTENTION_PREFETCH", "0")
-    assert attention_prefetch(ops._lib) is False
+    assert attention_prefetch(ops) is False
     monkeypatch.setenv("SPECDECODE_ATTENTION_PREFETCH", "1")
-    assert attention_prefetch(ops._lib) is True
+    assert attention_prefetch(ops) is True
     monkeypatch.delenv("SPECDECODE_ATTENTION_PREFETCH")
-    chosen = attention_prefetch(ops._lib)  # timed
+    chosen = attention_prefetch(ops)  # timed
     case = _attention_case(64, seed=5, a=150, b=126)
     try:
         outs = []

@@ -105,11 +105,11 @@ def library(isa: str, optional: bool = True) -> ctypes.CDLL | None:
     lib.specdecode_read_bandwidth.restype = ctypes.c_double
     lib.specdecode_attention_prefetch.argtypes = [n]
     lib.specdecode_attention_prefetch.restype = None
-    lib.specdecode_attention_prefetch(int(attention_prefetch(lib)))
+    lib.specdecode_attention_prefetch(int(attention_prefetch(RowOps(isa, lib))))
     return lib
 
 
-def attention_prefetch(lib: ctypes.CDLL) -> bool:
+def attention_prefetch(ops: RowOps) -> bool:
     """Whether row attention should ask for keys and values ahead in software on this machine
     (row_ops.cpp's `ask_for`): `SPECDECODE_ATTENTION_PREFETCH` (0 or 1) where set, else timed
     both ways: one row over 2048 slots of 16 layers' caches (50 MB: from memory, not a cache),
@@ -125,15 +125,10 @@ def attention_prefetch(lib: ctypes.CDLL) -> bool:
     out = torch.empty(1, heads, d)
 
     def seconds(on: bool) -> float:
-        lib.specdecode_attention_prefetch(int(on))
+        ops._lib.specdecode_attention_prefetch(int(on))
         start = time.perf_counter()
         for k, v in caches:
-            lib.specdecode_attend_rows(
-                q.data_ptr(), q.stride(0), q.stride(1), new.data_ptr(), new.stride(0), new.stride(1),
-                new.data_ptr(), new.stride(0), new.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0),
-                rows.data_ptr(), new_slot.data_ptr(), 1, row_ptr.data_ptr(), idx.data_ptr(), out.data_ptr(),
-                out.stride(0), heads, kv_heads, d, 0.125, None, None, torch.get_num_threads(),
-            )  # fmt: skip
+            ops(q, new, new, k, v, rows, new_slot, row_ptr, idx, out)
         return time.perf_counter() - start
 
     seconds(True)  # the caches' pages touched
