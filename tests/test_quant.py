@@ -108,9 +108,11 @@ def on_int8_grid(rows: int, cols: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
 def test_a_drafts_prompt_rows_in_int8(isa: str, fmt: str) -> None:
     """`approximate()`'s prefill rows round x to int8 per group of 32 and sum x q in integers:
-    exact (to float rounding) where that rounding keeps x, close elsewhere; each row on its own;
-    its decoding rows, and Q8_0's prompt rows (signed quants: the float path), are the exact
-    kernel's, bit for bit."""
+    exact (to float rounding) where that rounding keeps x, close elsewhere; each row on its own.
+    Its decoding rows are the same int8 products where the quants are in words (Q4_0, Q4_1 on
+    AVX-512), read from the words directly, bit for bit those of the prompt rows, one row or
+    several; elsewhere they are the exact kernel's, bit for bit, as are Q8_0's prompt rows
+    (signed quants: the float path)."""
     exact = quant_kernel(isa)
     assert exact is not None
     draft = exact.approximate()
@@ -126,7 +128,15 @@ def test_a_drafts_prompt_rows_in_int8(isa: str, fmt: str) -> None:
     noisy = torch.randn(20, 512, generator=torch.Generator().manual_seed(5))
     off = draft.matmul(noisy, weight, prefill=True).double() - noisy.double() @ w
     assert float(off.norm() / (noisy.double() @ w).norm()) < 0.02
-    assert torch.equal(draft.matmul(noisy, weight), exact.matmul(noisy, weight))
+    decoding = draft.matmul(noisy, weight)
+    if draft.layout == "tiles32-words4" and fmt in ("Q4_0", "Q4_1"):
+        assert torch.equal(decoding, draft.matmul(noisy, weight, prefill=True))
+        assert not torch.equal(decoding, exact.matmul(noisy, weight))
+        for m in (1, 2, 3, 4, 5, 9):  # each register block size, and several passes of them
+            assert torch.equal(draft.matmul(noisy[:m], weight), decoding[:m]), m
+        assert torch.equal(torch.cat([draft.matmul(noisy[i : i + 1], weight) for i in range(20)]), decoding)
+    else:
+        assert torch.equal(decoding, exact.matmul(noisy, weight))
     if fmt == "Q8_0":
         float_prefill = exact.matmul(noisy, weight, prefill=True)
         assert torch.equal(draft.matmul(noisy, weight, prefill=True), float_prefill)
@@ -134,9 +144,9 @@ def test_a_drafts_prompt_rows_in_int8(isa: str, fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q5_0", "Q4_K", "Q6_K"])
 def test_avx512_without_vnni_gives_the_same_int8_sums(fmt: str) -> None:
-    """Where the CPU has AVX512-VNNI the AVX-512 build sums a draft's int8 prompt rows with
-    `vpdpbusd`; built without it (a CPU that lacks it), with `vpmaddubsw` pairs added in int16:
-    the same integer sums, so the same bits."""
+    """Where the CPU has AVX512-VNNI the AVX-512 build sums a draft's int8 rows with `vpdpbusd`;
+    built without it (a CPU that lacks it), with `vpmaddubsw` pairs added in int16: the same
+    integer sums, so the same bits."""
     vnni = quant_kernel("avx512")
     if vnni is None or "avx512_vnni" not in build.cpu_flags():
         pytest.skip("needs an AVX-512 CPU with AVX512-VNNI")
@@ -147,6 +157,8 @@ def test_avx512_without_vnni_gives_the_same_int8_sums(fmt: str) -> None:
     x = torch.randn(9, 768, generator=torch.Generator().manual_seed(12))
     want = vnni.approximate().matmul(x, weight, prefill=True)
     assert torch.equal(plain.matmul(x, weight, prefill=True), want)
+    for m in (1, 2, 9):  # decoding rows (Q4_0's: int8 from its words)
+        assert torch.equal(plain.matmul(x[:m], weight), vnni.approximate().matmul(x[:m], weight)), m
 
 
 @pytest.mark.parametrize("isa", isa_params())
@@ -390,8 +402,9 @@ def test_the_whole_decoder_in_one_call_gives_the_layers_bits(quant_gguf: Path) -
 
 def test_a_draft_model_reads_its_prompt_in_int8(quant_gguf: Path) -> None:
     """A draft model runs on `Kernels.for_drafts()`: its prompt's rows take the int8 products,
-    in one decoder call as layer by layer (the same bits), close to the target's float ones; its
-    decoding rows are the target's, bit for bit; and speculation with it stays exact."""
+    in one decoder call as layer by layer (the same bits), close to the target's float ones; so
+    do its decoding rows where the quants are in words (AVX-512's Q4_0 and Q4_1), else they are
+    the target's, bit for bit; and speculation with it stays exact."""
     llm = LLM(str(quant_gguf), progress=False)
     if llm.model.kernels.quant is None:
         pytest.skip("no quantized kernels here (no C++ compiler, or SPECDECODE_CPU_ISA=off)")
@@ -403,10 +416,11 @@ def test_a_draft_model_reads_its_prompt_in_int8(quant_gguf: Path) -> None:
         with torch.inference_mode():
             return model(ids, torch.arange(40)[None], model.new_cache(64), prompt=prompt)[0]
 
-    one_call = hidden(draft, prompt=True)
+    one_call, decoding = hidden(draft, prompt=True), hidden(draft, prompt=False)
     decoder, draft.one_call.decoder = draft.one_call.decoder, None  # the layers one by one
     try:
         assert torch.equal(hidden(draft, prompt=True), one_call)
+        assert torch.equal(hidden(draft, prompt=False), decoding)
     finally:
         draft.one_call.decoder = decoder
     exact = hidden(target, prompt=True)
@@ -414,7 +428,11 @@ def test_a_draft_model_reads_its_prompt_in_int8(quant_gguf: Path) -> None:
     # (a random model's 2 layers magnify the rounding: 20% of the norm here; each product is
     # checked against its exact sum in test_a_drafts_prompt_rows_in_int8)
     assert float(torch.nn.functional.cosine_similarity(one_call, exact).mean()) > 0.9
-    assert torch.equal(hidden(draft, prompt=False), hidden(target, prompt=False))
+    exact_decoding = hidden(target, prompt=False)
+    if draft.kernels.quant.layout == "tiles32-words4":  # its Q4_0 and Q4_1 rows in int8
+        assert float(torch.nn.functional.cosine_similarity(decoding, exact_decoding).mean()) > 0.9
+    else:
+        assert torch.equal(decoding, exact_decoding)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     plain = llm.generate([ids[0].tolist()], params, use_tqdm=False)[0].token_ids
     spec = {"method": "draft_model", "draft_model": str(quant_gguf), "draft_dtype": "stored"}

@@ -211,8 +211,8 @@ class DraftModelDrafter(Drafter):
     def _feed(self, tokens: list[int], prompt: bool = False) -> torch.Tensor:
         """Run `tokens` through the draft after its cache (chunked); returns the last hidden state
         (C,), or an empty (0,) tensor when `tokens` is empty (begin with a one-token prompt).
-        `prompt`: they are the prompt's, which the draft's kernels may read in int8
-        (`Kernels.for_drafts`); else they take its decoding rows' arithmetic."""
+        `prompt`: they are the prompt's, which the draft's kernels read with the prompt rows'
+        arithmetic (`Kernels.for_drafts`: int8); else they take its decoding rows'."""
         assert self.cache is not None
         device = self.draft.device
         hidden = torch.empty(0, device=device)

@@ -110,7 +110,7 @@ class DecoderRows(Protocol):
     ) -> None: ...
 
     def approximate(self) -> DecoderRows:
-        """This decoder with a prompt's rows computed as `QuantKernel.approximate`'s (a draft's)."""
+        """This decoder with its rows computed as `QuantKernel.approximate`'s (a draft's)."""
         ...
 
 
@@ -170,9 +170,10 @@ class Kernels:
         return next(k for k in self.approx if k.accepts(weight_t))
 
     def for_drafts(self) -> Kernels:
-        """The kernels a draft model runs on: these, with its prompt's products computed with less
-        precision where the quantized kernel has a faster way (`QuantKernel.approximate`). A
-        draft only proposes: the target's verification keeps output exact."""
+        """The kernels a draft model runs on: these, with its products computed with less
+        precision where the quantized kernel has a faster way (`QuantKernel.approximate`: its
+        prompt's rows, and its decoding rows where the quants allow). A draft only proposes: the
+        target's verification keeps output exact."""
         if self.quant is None:
             return self
         decoder = None if self.decoder is None else self.decoder.approximate()
@@ -295,6 +296,7 @@ class QuantKernel(Protocol):
         ...
 
     def approximate(self) -> QuantKernel:
-        """A kernel of the same layout for a draft model, whose `prefill` rows may be computed
-        with less precision, faster (decoding rows as here); itself where it has no such way."""
+        """A kernel of the same layout for a draft model, whose rows may be computed with less
+        precision, faster (`prefill` rows, and decoding rows where its format allows; a draft's
+        decoding rows stay the same alone or in any batch); itself where it has no such way."""
         ...

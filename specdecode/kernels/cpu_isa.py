@@ -44,8 +44,9 @@ _BUILDS = {  # compiler flags of each instruction set's build
 _OPTIONAL = {"avx512": (("avx512_vnni", "-mavx512vnni"),)}
 HEAD_DIMS = (16, 32, 64, 128)  # head sizes the row attention is built for
 # quant_gemm.cpp's arithmetic of a product's rows: a decoding step's (each row's result the same in
-# any batch), a prompt's (float32 activations), a draft's prompt (int8 activations)
-DECODING, EXACT_PREFILL, INT8_PREFILL = 0, 1, 2
+# any batch), a prompt's (float32 activations), a draft's prompt (int8 activations), a draft's
+# decoding step (int8 activations where the format's quants are in words)
+DECODING, EXACT_PREFILL, INT8_PREFILL, INT8_DECODING = 0, 1, 2, 3
 UNIT = 32  # outputs of one unit of quant_gemm.cpp's layouts (32 outputs interleaved block by block)
 
 
@@ -88,10 +89,10 @@ def library(isa: str, optional: bool = True) -> ctypes.CDLL | None:
     lib.specdecode_silu_mul.argtypes = [p, i, i, p]
     lib.specdecode_silu_mul.restype = None
     # records, layers; x, T, C, H, Hkv, D, I, eps; caches, head stride; rows, slots, count, CSR;
-    # cos, sin, scale; prefill_from, prefill arithmetic, threads
+    # cos, sin, scale; prefill_from, decoding and prefill arithmetic, threads
     lib.specdecode_decoder_rows.argtypes = [
         *(p, n, p, i, i, i, i, i, i, f, p, i, p, p, i, p, p, p, p, f),
-        *(i, n, n),
+        *(i, n, n, n),
     ]
     lib.specdecode_decoder_rows.restype = n
     lib.specdecode_tiles_f32.argtypes = [p, p, p, i, i, i, n]
@@ -232,15 +233,17 @@ class Prepared:
 
 
 class Decoder:
-    """`DecoderRows` of one instruction set's build (`decoder.cpp`); prompt rows take the prefill
-    arithmetic `prefill` (as `quant.QuantCPU`'s)."""
+    """`DecoderRows` of one instruction set's build (`decoder.cpp`); decoding rows take the
+    arithmetic `decoding`, prompt rows `prefill` (as `quant.QuantCPU`'s)."""
 
-    def __init__(self, lib: ctypes.CDLL, quant_layout: str, prefill: int = EXACT_PREFILL) -> None:
-        self._lib, self._layout, self.prefill = lib, quant_layout, prefill
+    def __init__(
+        self, lib: ctypes.CDLL, quant_layout: str, decoding: int = DECODING, prefill: int = EXACT_PREFILL
+    ) -> None:
+        self._lib, self._layout, self.decoding, self.prefill = lib, quant_layout, decoding, prefill
 
     def approximate(self) -> Decoder:
-        """This decoder with a draft's prompt rows read in int8 (`QuantCPU.approximate`)."""
-        return Decoder(self._lib, self._layout, INT8_PREFILL)
+        """This decoder with a draft's rows read in int8 (`QuantCPU.approximate`)."""
+        return Decoder(self._lib, self._layout, INT8_DECODING, INT8_PREFILL)
 
     def prepare(self, layers: Sequence[LayerWeights]) -> Prepared | None:
         if not layers:
@@ -281,7 +284,7 @@ class Decoder:
             p.records.data_ptr(), p.records.shape[0], x.data_ptr(), x.shape[0], p.c, p.heads, p.kv_heads,
             p.head_dim, p.width, p.eps, pointers.data_ptr(), stride, rows.data_ptr(), new_slots.data_ptr(),
             rows.shape[0], row_ptr.data_ptr(), idx.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            1.0 / math.sqrt(p.head_dim), prefill_from, self.prefill, torch.get_num_threads(),
+            1.0 / math.sqrt(p.head_dim), prefill_from, self.decoding, self.prefill, torch.get_num_threads(),
         )  # fmt: skip
         if done != 0:
             raise ValueError(f"decoder kernel: cannot run these layers (code {done})")

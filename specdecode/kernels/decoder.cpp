@@ -28,10 +28,11 @@ namespace {
 // type, data and rows (up to MAX_PARTS).
 constexpr int MAX_PARTS = 3, MATRIX = 2 + 3 * MAX_PARTS, RECORD = 2 + 4 * MATRIX;
 
-// y (T, N) = x (T, K) @ W^T + bias, rows before `prefill_from` with the decoding arithmetic, the
-// rest with the prefill arithmetic `prefill` (specdecode_qmm's 1, or 2 for a draft's).
+// y (T, N) = x (T, K) @ W^T + bias, rows before `prefill_from` with the decoding arithmetic
+// `decoding` (specdecode_qmm's 0, or 3 for a draft's), the rest with the prefill arithmetic
+// `prefill` (1, or 2 for a draft's).
 int product(const int64_t* m, const float* x, int64_t T, int64_t K, int64_t N, float* y, int64_t prefill_from,
-            int prefill, int threads) {
+            int decoding, int prefill, int threads) {
     const float* bias = reinterpret_cast<const float*>(m[0]);
     int64_t first = 0;
     for (int p = 0; p < m[1]; ++p) {
@@ -40,7 +41,7 @@ int product(const int64_t* m, const float* x, int64_t T, int64_t K, int64_t N, f
         const auto* w = reinterpret_cast<const uint8_t*>(part[1]);
         const int64_t rows = part[2];
         const int64_t d = prefill_from < T ? prefill_from : T;
-        if (d > 0 && specdecode_qmm(fmt, x, d, K, w, rows, y + first, N, threads, 0)) return 1;
+        if (d > 0 && specdecode_qmm(fmt, x, d, K, w, rows, y + first, N, threads, decoding)) return 1;
         if (d < T && specdecode_qmm(fmt, x + d * K, T - d, K, w, rows, y + d * N + first, N, threads, prefill))
             return 1;
         first += rows;
@@ -59,13 +60,14 @@ extern "C" {
 // x (T, C) through `n_layers` layers (records RECORD int64 each), in place. Attention as
 // specdecode_attend_rows takes it: each layer's cache (caches: key, value pointer per layer, head
 // stride c_sh), the rows' slots and CSR, the rotary tables (T, D). H, Hkv heads of D; I the MLP's
-// width; rows from `prefill_from` on take the prefill arithmetic `prefill` (product's). 0 when
+// width; rows before `prefill_from` take the decoding arithmetic `decoding`, the rest the prefill
+// arithmetic `prefill` (product's). 0 when
 // done; 1: a matrix the products do not take; 2: attention refused the shapes.
 int specdecode_decoder_rows(const int64_t* layers, int n_layers, float* x, int64_t T, int64_t C, int64_t H,
                             int64_t Hkv, int64_t D, int64_t I, float eps, const int64_t* caches, int64_t c_sh,
                             const int64_t* rows, const int64_t* new_slot, int64_t n_rows, const int64_t* row_ptr,
                             const int64_t* idx, const float* cos, const float* sin, float scale,
-                            int64_t prefill_from, int prefill, int threads) {
+                            int64_t prefill_from, int decoding, int prefill, int threads) {
     const int64_t qkv_n = (H + 2 * Hkv) * D, att_n = H * D;
     std::vector<float> h(size_t(T * C)), qkv(size_t(T * qkv_n)), att(size_t(T * att_n)), out(size_t(T * C));
     std::vector<float> gu(size_t(T * 2 * I)), act(size_t(T * I));
@@ -78,19 +80,19 @@ int specdecode_decoder_rows(const int64_t* layers, int n_layers, float* x, int64
             specdecode_rms_norm(x, attn_norm, h.data(), T, C, eps);
         else  // a layer without a norm before attention (EAGLE's): its input as it is
             for (int64_t i = 0; i < T * C; ++i) h[i] = x[i];
-        if (product(m_qkv, h.data(), T, C, qkv_n, qkv.data(), prefill_from, prefill, threads)) return 1;
+        if (product(m_qkv, h.data(), T, C, qkv_n, qkv.data(), prefill_from, decoding, prefill, threads)) return 1;
         const float* q = qkv.data();
         if (specdecode_attend_rows(q, D, qkv_n, q + att_n, D, qkv_n, q + att_n + Hkv * D, D, qkv_n,
                                    reinterpret_cast<float*>(caches[2 * l]), reinterpret_cast<float*>(caches[2 * l + 1]),
                                    c_sh, rows, new_slot, n_rows, row_ptr, idx, att.data(), att_n, H, Hkv, D, scale, cos,
                                    sin, threads))
             return 2;
-        if (product(m_o, att.data(), T, att_n, C, out.data(), prefill_from, prefill, threads)) return 1;
+        if (product(m_o, att.data(), T, att_n, C, out.data(), prefill_from, decoding, prefill, threads)) return 1;
         for (int64_t i = 0; i < T * C; ++i) x[i] = x[i] + out[i];
         specdecode_rms_norm(x, mlp_norm, h.data(), T, C, eps);
-        if (product(m_gu, h.data(), T, C, 2 * I, gu.data(), prefill_from, prefill, threads)) return 1;
+        if (product(m_gu, h.data(), T, C, 2 * I, gu.data(), prefill_from, decoding, prefill, threads)) return 1;
         specdecode_silu_mul(gu.data(), T, I, act.data());
-        if (product(m_down, act.data(), T, I, C, out.data(), prefill_from, prefill, threads)) return 1;
+        if (product(m_down, act.data(), T, I, C, out.data(), prefill_from, decoding, prefill, threads)) return 1;
         for (int64_t i = 0; i < T * C; ++i) x[i] = x[i] + out[i];
     }
     return 0;

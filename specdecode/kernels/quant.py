@@ -15,26 +15,38 @@ import torch
 from torch import Tensor
 
 from specdecode.kernels.base import GGUF_LAYOUT, QUANT_FORMATS, QuantPart, QuantWeight
-from specdecode.kernels.cpu_isa import DECODING, EXACT_PREFILL, INT8_PREFILL, UNIT, layout, library
+from specdecode.kernels.cpu_isa import (
+    DECODING,
+    EXACT_PREFILL,
+    INT8_DECODING,
+    INT8_PREFILL,
+    UNIT,
+    layout,
+    library,
+)
 
 
 class QuantCPU:
-    """The quantized products of one instruction set's build (see the module doc). `prefill` is
-    the arithmetic of prompt rows: 1, float32 activations (a target's); 2, int8 activations
-    rounded per group of 32 (a draft's: `approximate`)."""
+    """The quantized products of one instruction set's build (see the module doc). `decoding` and
+    `prefill` are the arithmetic of decoding rows and prompt rows: a target's (float32
+    activations, each decoding row's result the same in any batch) or a draft's (`approximate`:
+    int8 activations rounded per group of 32)."""
 
     formats: ClassVar[frozenset[str]] = frozenset(QUANT_FORMATS)
 
-    def __init__(self, isa: str, lib: ctypes.CDLL, prefill: int = EXACT_PREFILL) -> None:
-        self.isa, self._lib, self.prefill = isa, lib, prefill
+    def __init__(
+        self, isa: str, lib: ctypes.CDLL, decoding: int = DECODING, prefill: int = EXACT_PREFILL
+    ) -> None:
+        self.isa, self._lib, self.decoding, self.prefill = isa, lib, decoding, prefill
         self.layout = layout(lib)  # the build's own: weights it packs run on it (and its kind) only
-        self.name = f"cpu-quant-{isa}" + ("-int8-prefill" if prefill == INT8_PREFILL else "")
+        self.name = f"cpu-quant-{isa}" + ("-int8" if prefill == INT8_PREFILL else "")
 
     def approximate(self) -> QuantCPU:
-        """These products with a draft's prompt rows read in int8 (see `quant_gemm.cpp`: ~2.5x
-        faster prefill with AVX512-VNNI); decoding rows unchanged. The same layout: weights
-        packed for one run on the other."""
-        return QuantCPU(self.isa, self._lib, INT8_PREFILL)
+        """These products with a draft's rows read in int8 (see `quant_gemm.cpp`): prompt rows
+        (~2.5x faster prefill with AVX512-VNNI) and, where a format's quants are in words (Q4_0
+        and Q4_1 on AVX-512), decoding rows; the others keep the float decoding rows. The same
+        layout: weights packed for one run on the other."""
+        return QuantCPU(self.isa, self._lib, INT8_DECODING, INT8_PREFILL)
 
     def pack(self, weight: QuantWeight) -> QuantWeight:
         if weight.layout != GGUF_LAYOUT:
@@ -71,7 +83,7 @@ class QuantCPU:
         y = torch.empty(m, n)  # (M, out)
         if m:
             threads, xp, yp = torch.get_num_threads(), x.data_ptr(), y.data_ptr()
-            how = self.prefill if prefill else DECODING
+            how = self.prefill if prefill else self.decoding
             for fmt, data, rows, first in weight.calls:
                 if self._lib.specdecode_qmm(fmt, xp, m, k, data, rows, yp + 4 * first, n, threads, how):
                     name = next(f for f, (i, _, _) in QUANT_FORMATS.items() if i == fmt)

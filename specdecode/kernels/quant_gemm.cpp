@@ -164,6 +164,7 @@ inline int32_t word4(const int8_t* x) {  // four int8, as one little-endian word
 inline VI to_int(V a) { return {_mm512_cvttps_epi32(a.v)}; }
 inline VI zero_i() { return {_mm512_setzero_si512()}; }
 inline void store_i(uint8_t* p, VI a) { _mm512_storeu_si512(p, a.v); }
+inline VI add_i(VI a, VI b) { return {_mm512_add_epi32(a.v, b.v)}; }
 struct W8 {
     __m512i v;
 };
@@ -1087,6 +1088,115 @@ void int8_prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w
     }
 }
 
+// ---- decoding rows with int8 activations (drafts) --------------------------------------------------
+// A draft's decoding rows (a token or the few it catches up on) may be read in int8 too. Where a
+// format's quants sit in words (Q4_0, Q4_1 on AVX-512: `put4<true>`), a word's eight quants of a
+// run (steps 8i .. 8i + 7 of a half group) are two sets of four bytes with no spreading: its low
+// nibbles (steps 8i + 0, 2, 4, 6) and its high ones (8i + 1, 3, 5, 7), each one VNNI dot product
+// with the row's int8 x in that order (`quantize_words`). A group of a tile is then four loads,
+// six integer operations and eight dot products a row, against 32 shifts and lookups and 32
+// float multiply-adds a row. The integer sums are those of `int8_rows` and the floats after them
+// the same operations in the same order: the same bits as the int8 prefill rows, in any batch.
+// Other formats and builds take the float decoding rows.
+template <class F>
+constexpr bool INT8_WORDS = WORDS4 && F::weights == 32 && F::bits == 4;
+
+// x (M, K) -> int8 and scales as `quantize_rows`, each run of 8 in the words' order 0 2 4 6 1 3 5 7.
+void quantize_words(const float* x, int64_t M, int64_t K, int8_t* q, float* d) {
+    quantize_rows(x, M, K, q, d);
+    for (int64_t i = 0; i < M * K; i += 8) {
+        int8_t t[8];
+        std::memcpy(t, q + i, 8);
+        for (int s = 0; s < 4; ++s) q[i + s] = t[2 * s], q[i + 4 + s] = t[2 * s + 1];
+    }
+}
+
+#if defined(__AVX512F__)
+constexpr int IDR = 4;  // int8 decoding rows at a time
+
+// R rows of int8 x (xq: `quantize_words`; scales xd (R, K/32); float half sums xs (R, K/16)) over
+// both tiles of a unit of F's words.
+// S: integer sums a row and tile keeps (added at the end of a group), so that one row's dot
+// products are not one chain waiting on each other's latency (a row alone took longer than two).
+template <class F, int R, int S = (R == 1 ? 4 : R == 2 ? 2 : 1)>
+__attribute__((noinline)) void int8_word_rows(const int8_t* xq, const float* xd, const float* xs, int64_t K,
+                                              const uint8_t* unit, float* y, int64_t ldy, int valid) {
+    constexpr int quants = F::packed - 256;  // a tile's block: its scales, then 256 bytes of words
+    const __m512i low = _mm512_set1_epi32(0x0F0F0F0F);
+    V out[R][2];
+    for (int r = 0; r < R; ++r) out[r][0] = out[r][1] = zero();
+    for (int64_t g = 0; g < K / 32; ++g) {
+        const uint8_t* block = unit + 2 * g * F::packed;
+        prefetch_ahead<F>(block, 2 * F::packed);
+        VI acc[R][2][S];
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < 2; ++c)
+                for (int i = 0; i < S; ++i) acc[r][c][i] = zero_i();
+#pragma GCC unroll 4  // constant runs: each sum a register of its own
+        for (int run = 0; run < 4; ++run) {
+            W8 even[2], odd[2];
+            for (int c = 0; c < 2; ++c) {
+                const __m512i words = _mm512_loadu_si512(block + c * F::packed + quants + 64 * run);
+                even[c] = {_mm512_and_si512(words, low)};
+                odd[c] = {_mm512_and_si512(_mm512_srli_epi32(words, 4), low)};
+            }
+            for (int r = 0; r < R; ++r) {
+                const int8_t* x8 = xq + r * K + 32 * g + 8 * run;
+                const X4 xe = bcast4(x8), xo = bcast4(x8 + 4);
+                const int e = (2 * run) % S, o = (2 * run + 1) % S;
+                for (int c = 0; c < 2; ++c) {
+                    acc[r][c][e] = dot4(acc[r][c][e], even[c], xe);
+                    acc[r][c][o] = dot4(acc[r][c][o], odd[c], xo);
+                }
+            }
+        }
+        for (int c = 0; c < 2; ++c) {
+            const typename F::Group grp = F::group(block + c * F::packed, 0);
+            for (int r = 0; r < R; ++r) {
+                const V d = set1(xd[r * (K / 32) + g]);
+                const float x_lo = xs[r * (K / 16) + 2 * g], x_hi = xs[r * (K / 16) + 2 * g + 1];
+                VI sum = acc[r][c][0];
+                for (int i = 1; i < S; ++i) sum = add_i(sum, acc[r][c][i]);
+                out[r][c] = fma(grp.a_lo, mul(to_float(sum), d), out[r][c]);
+                out[r][c] = fma(grp.b_lo, set1(x_lo + x_hi), out[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) lanes_store<2>(out[r], y + r * ldy, valid);
+}
+#endif
+
+template <class F>
+void product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t ldy, int threads);
+
+template <class F>
+void int8_decoding_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y,
+                           int64_t ldy, int threads) {
+#if defined(__AVX512F__)
+    if constexpr (INT8_WORDS<F>) {
+        const int64_t unit_bytes = 2 * (K / F::weights) * F::packed;
+        const int64_t units = (N + UNIT - 1) / UNIT;
+        std::vector<int8_t> xq(size_t(M * K));
+        std::vector<float> xd(size_t(M * (K / 32))), xs(size_t(M * (K / 16)));
+        quantize_words(x, M, K, xq.data(), xd.data());
+        half_sums(x, M, K, xs.data());
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t u = 0; u < units; ++u) {
+            const int64_t n0 = u * UNIT;
+            const int valid = int(N - n0 < UNIT ? N - n0 : UNIT);
+            int64_t r0 = 0;
+            by_rows<IDR>(M, [&]<int R>() {
+                int8_word_rows<F, R>(xq.data() + r0 * K, xd.data() + r0 * (K / 32), xs.data() + r0 * (K / 16), K,
+                                     w + u * unit_bytes, y + r0 * ldy + n0, ldy, valid);
+                r0 += R;
+            });
+        }
+        return;
+    }
+#endif
+    product<F>(x, M, K, w, N, y, ldy, threads);
+}
+
 template <class F>
 void product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t ldy,
              int threads) {
@@ -1204,13 +1314,14 @@ using Product = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t
 struct Layout {
     int weights, packed;  // per block
     void (*pack)(const uint8_t*, int64_t, int64_t, uint8_t*);
-    Product product, prefill, int8_prefill;
+    Product product, prefill, int8_prefill, int8_decoding;
     void (*rows)(const uint8_t*, int64_t, const int64_t*, int64_t, float*);
 };
 
 template <class F>
 constexpr Layout layout() {
-    return {F::weights, F::packed, pack<F>, product<F>, prefill_product<F>, int8_prefill_product<F>, rows<F>};
+    return {F::weights, F::packed, pack<F>, product<F>, prefill_product<F>, int8_prefill_product<F>,
+            int8_decoding_product<F>, rows<F>};
 }
 
 bool layout_of(int format, Layout* out) {
@@ -1251,16 +1362,17 @@ int specdecode_qpack(int format, const uint8_t* src, int64_t N, int64_t K, uint8
 }
 
 // y[m * ldy + n] for the N rows of packed W, with the arithmetic of decoding rows (`prefill` 0:
-// each row's result the same in any batch), of prefill rows (1), or of a draft's prefill rows
-// (2: int8 activations, approximate). 0 when done; 1: a format this file does not read; 2: K not
-// a whole number of blocks; 3: an unknown `prefill`.
+// each row's result the same in any batch), of prefill rows (1), of a draft's prefill rows (2:
+// int8 activations, approximate) or of a draft's decoding rows (3: int8 where the format's quants
+// are in words, else 0's). 0 when done; 1: a format this file does not read; 2: K not a whole
+// number of blocks; 3: an unknown `prefill`.
 int specdecode_qmm(int format, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                    float* y, int64_t ldy, int threads, int prefill) {
     Layout lay;
     if (!layout_of(format, &lay)) return 1;
     if (K % lay.weights != 0) return 2;
-    if (prefill < 0 || prefill > 2) return 3;
-    const Product run[] = {lay.product, lay.prefill, lay.int8_prefill};
+    if (prefill < 0 || prefill > 3) return 3;
+    const Product run[] = {lay.product, lay.prefill, lay.int8_prefill, lay.int8_decoding};
     run[prefill](x, M, K, w, N, y, ldy, threads);
     return 0;
 }
