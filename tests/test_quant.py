@@ -92,6 +92,8 @@ def test_avx2_and_avx512_give_the_same_bits(fmt: str) -> None:
         assert torch.equal(prompt, narrow.matmul(x[:m], again, prefill=True))
         draft = wide.approximate().matmul(x[:m], weight, prefill=True)  # integer sums, then the same floats
         assert torch.equal(draft, narrow.approximate().matmul(x[:m], again, prefill=True))
+        decoding = wide.approximate().matmul(x[:m], weight)  # words against byte pairs, for Q4_0/Q4_1
+        assert torch.equal(decoding, narrow.approximate().matmul(x[:m], again))
 
 
 def on_int8_grid(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -109,8 +111,8 @@ def on_int8_grid(rows: int, cols: int, seed: int) -> torch.Tensor:
 def test_a_drafts_prompt_rows_in_int8(isa: str, fmt: str) -> None:
     """`approximate()`'s prefill rows round x to int8 per group of 32 and sum x q in integers:
     exact (to float rounding) where that rounding keeps x, close elsewhere; each row on its own.
-    Its decoding rows are the same int8 products where the quants are in words (Q4_0, Q4_1 on
-    AVX-512), read from the words directly, bit for bit those of the prompt rows, one row or
+    Its decoding rows are the same int8 products for Q4_0 and Q4_1 on AVX-512 (read from their
+    words) and AVX2 (from their byte pairs), bit for bit those of the prompt rows, one row or
     several; elsewhere they are the exact kernel's, bit for bit, as are Q8_0's prompt rows
     (signed quants: the float path)."""
     exact = quant_kernel(isa)
@@ -129,7 +131,7 @@ def test_a_drafts_prompt_rows_in_int8(isa: str, fmt: str) -> None:
     off = draft.matmul(noisy, weight, prefill=True).double() - noisy.double() @ w
     assert float(off.norm() / (noisy.double() @ w).norm()) < 0.02
     decoding = draft.matmul(noisy, weight)
-    if draft.layout == "tiles32-words4" and fmt in ("Q4_0", "Q4_1"):
+    if isa in ("avx512", "avx2") and fmt in ("Q4_0", "Q4_1"):
         assert torch.equal(decoding, draft.matmul(noisy, weight, prefill=True))
         assert not torch.equal(decoding, exact.matmul(noisy, weight))
         for m in (1, 2, 3, 4, 5, 9):  # each register block size, and several passes of them
@@ -403,8 +405,8 @@ def test_the_whole_decoder_in_one_call_gives_the_layers_bits(quant_gguf: Path) -
 def test_a_draft_model_reads_its_prompt_in_int8(quant_gguf: Path) -> None:
     """A draft model runs on `Kernels.for_drafts()`: its prompt's rows take the int8 products,
     in one decoder call as layer by layer (the same bits), close to the target's float ones; so
-    do its decoding rows where the quants are in words (AVX-512's Q4_0 and Q4_1), else they are
-    the target's, bit for bit; and speculation with it stays exact."""
+    do its decoding rows of Q4_0 and Q4_1 on AVX-512 and AVX2, else they are the target's, bit
+    for bit; and speculation with it stays exact."""
     llm = LLM(str(quant_gguf), progress=False)
     if llm.model.kernels.quant is None:
         pytest.skip("no quantized kernels here (no C++ compiler, or SPECDECODE_CPU_ISA=off)")
@@ -429,7 +431,7 @@ def test_a_draft_model_reads_its_prompt_in_int8(quant_gguf: Path) -> None:
     # checked against its exact sum in test_a_drafts_prompt_rows_in_int8)
     assert float(torch.nn.functional.cosine_similarity(one_call, exact).mean()) > 0.9
     exact_decoding = hidden(target, prompt=False)
-    if draft.kernels.quant.layout == "tiles32-words4":  # its Q4_0 and Q4_1 rows in int8
+    if draft.kernels.quant.isa in ("avx512", "avx2"):  # its Q4_0 and Q4_1 rows in int8
         assert float(torch.nn.functional.cosine_similarity(decoding, exact_decoding).mean()) > 0.9
     else:
         assert torch.equal(decoding, exact_decoding)

@@ -43,9 +43,9 @@ class QuantCPU:
 
     def approximate(self) -> QuantCPU:
         """These products with a draft's rows read in int8 (see `quant_gemm.cpp`): prompt rows
-        (~2.5x faster prefill with AVX512-VNNI) and, where a format's quants are in words (Q4_0
-        and Q4_1 on AVX-512), decoding rows; the others keep the float decoding rows. The same
-        layout: weights packed for one run on the other."""
+        (~2.5x faster prefill with AVX512-VNNI) and, for Q4_0 and Q4_1 on AVX-512 (read from
+        their words) and AVX2 (from their byte pairs), decoding rows; the others keep the float
+        decoding rows. The same layout: weights packed for one run on the other."""
         return QuantCPU(self.isa, self._lib, INT8_DECODING, INT8_PREFILL)
 
     def pack(self, weight: QuantWeight) -> QuantWeight:

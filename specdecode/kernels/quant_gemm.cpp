@@ -1099,7 +1099,8 @@ void int8_prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w
 // six integer operations and eight dot products a row, against 32 shifts and lookups and 32
 // float multiply-adds a row. The integer sums are those of `int8_rows` and the floats after them
 // the same operations in the same order: the same bits as the int8 prefill rows, in any batch.
-// Other formats and builds take the float decoding rows.
+// AVX2 reads Q4_0 and Q4_1 from their byte pairs (`int8_pair_rows`, the same sums and floats);
+// other formats and builds take the float decoding rows.
 template <class F>
 constexpr bool INT8_WORDS = WORDS4 && F::weights == 32 && F::bits == 4;
 
@@ -1166,6 +1167,67 @@ __attribute__((noinline)) void int8_word_rows(const int8_t* xq, const float* xd,
     }
     for (int r = 0; r < R; ++r) lanes_store<2>(out[r], y + r * ldy, valid);
 }
+#elif defined(__AVX2__)
+// AVX2 keeps Q4_0 and Q4_1 in byte pairs (`put4<false>`): step j's byte of output c holds weights
+// j and j + 16 of its group. A step pair's 32 bytes (steps 2p and 2p + 1, one per 128-bit half)
+// split into low and high nibbles and interleaved per half put output c's (q[2p], q[2p + 16]) at
+// int16 c of the low half and (q[2p + 1], q[2p + 17]) of the high (outputs 0-7, and 8-15 in a
+// second register): one `vpmaddubsw` each with x's matching pairs (`pair_x`) adds four products
+// of each output. Summed in int16 over a group's 8 step pairs (8 x 2 x 15 x 127 < 2^15), widened
+// once per group: two loads, five integer operations and four `vpmaddubsw` a step pair and row,
+// against 8 float multiply-adds a row and ~10 operations decoding the floats.
+constexpr int IDR = 4;  // int8 decoding rows at a time
+
+// int8 x (M, K) in `quantize_rows`'s order -> per group of 32 and step pair p (0..7) 32 bytes:
+// (x[2p], x[2p + 16]) in each int16 of the low 16, (x[2p + 1], x[2p + 17]) of the high: (M, 8 K).
+void pair_x(const int8_t* q, int64_t M, int64_t K, int8_t* out) {
+    for (int64_t i = 0; i < M * (K / 32); ++i, q += 32)
+        for (int p = 0; p < 8; ++p, out += 32)
+            for (int c = 0; c < 8; ++c) {
+                out[2 * c] = q[2 * p], out[2 * c + 1] = q[2 * p + 16];
+                out[16 + 2 * c] = q[2 * p + 1], out[17 + 2 * c] = q[2 * p + 17];
+            }
+}
+
+// R rows of int8 x (xp: `pair_x`; scales xd (R, K/32); float half sums xs (R, K/16)) over tile
+// `first` of a unit of F's byte pairs.
+template <class F, int R>
+__attribute__((noinline)) void int8_pair_rows(const int8_t* xp, const float* xd, const float* xs, int64_t K,
+                                              const uint8_t* unit, int first, float* y, int64_t ldy, int valid) {
+    constexpr int quants = F::packed - 256;  // a tile's block: its scales, then 256 bytes of pairs
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    Sums<R, 1> out;
+    for (int64_t g = 0; g < K / 32; ++g) {
+        prefetch_ahead<F>(unit + 2 * g * F::packed, 2 * F::packed);
+        const uint8_t* block = unit + (2 * g + first) * F::packed;
+        __m256i acc[R][2];  // int16: outputs 0-7 and 8-15, even steps in the low half, odd in the high
+        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int p = 0; p < 8; ++p) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + quants + 32 * p));
+            const __m256i l = _mm256_and_si256(v, low), h = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            const __m256i u[2] = {_mm256_unpacklo_epi8(l, h), _mm256_unpackhi_epi8(l, h)};
+            for (int r = 0; r < R; ++r) {
+                const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + r * 8 * K + 256 * g + 32 * p));
+                for (int c = 0; c < 2; ++c) acc[r][c] = _mm256_add_epi16(acc[r][c], _mm256_maddubs_epi16(u[c], x));
+            }
+        }
+        const typename F::Group grp = F::group(block, 0);
+        for (int r = 0; r < R; ++r) {
+            VI sum;
+            __m256i* half[2] = {&sum.lo, &sum.hi};
+            for (int c = 0; c < 2; ++c)
+                *half[c] = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[r][c])),
+                                            _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[r][c], 1)));
+            const V d = set1(xd[r * (K / 32) + g]);
+            const float x_lo = xs[r * (K / 16) + 2 * g], x_hi = xs[r * (K / 16) + 2 * g + 1];
+            V o = out.get(r, 0);
+            o = fma(grp.a_lo, mul(to_float(sum), d), o);
+            out.set(r, 0, fma(grp.b_lo, set1(x_lo + x_hi), o));
+        }
+    }
+    for (int r = 0; r < R; ++r) out.store(r, y + r * ldy + first * TILE, valid - first * TILE);
+}
 #endif
 
 template <class F>
@@ -1192,6 +1254,30 @@ void int8_decoding_product(const float* x, int64_t M, int64_t K, const uint8_t* 
                                      w + u * unit_bytes, y + r0 * ldy + n0, ldy, valid);
                 r0 += R;
             });
+        }
+        return;
+    }
+#elif defined(__AVX2__)
+    if constexpr (F::weights == 32 && F::bits == 4) {
+        const int64_t unit_bytes = 2 * (K / F::weights) * F::packed;
+        const int64_t units = (N + UNIT - 1) / UNIT;
+        std::vector<int8_t> xq(size_t(M * K)), xp(size_t(8 * M * K));
+        std::vector<float> xd(size_t(M * (K / 32))), xs(size_t(M * (K / 16)));
+        quantize_rows(x, M, K, xq.data(), xd.data());
+        pair_x(xq.data(), M, K, xp.data());
+        half_sums(x, M, K, xs.data());
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t u = 0; u < units; ++u) {
+            const int64_t n0 = u * UNIT;
+            const int valid = int(N - n0 < UNIT ? N - n0 : UNIT);
+            for (int first = 0; first < 2; ++first) {
+                int64_t r0 = 0;
+                by_rows<IDR>(M, [&]<int R>() {
+                    int8_pair_rows<F, R>(xp.data() + r0 * 8 * K, xd.data() + r0 * (K / 32), xs.data() + r0 * (K / 16),
+                                         K, w + u * unit_bytes, first, y + r0 * ldy + n0, ldy, valid);
+                    r0 += R;
+                });
+            }
         }
         return;
     }
@@ -1374,8 +1460,8 @@ int specdecode_qpack(int format, const uint8_t* src, int64_t N, int64_t K, uint8
 
 // y[m * ldy + n] for the N rows of packed W, with the arithmetic of decoding rows (`prefill` 0:
 // each row's result the same in any batch), of prefill rows (1), of a draft's prefill rows (2:
-// int8 activations, approximate) or of a draft's decoding rows (3: int8 where the format's quants
-// are in words, else 0's). 0 when done; 1: a format this file does not read; 2: K not a whole
+// int8 activations, approximate) or of a draft's decoding rows (3: int8 for Q4_0 and Q4_1 on
+// AVX-512 and AVX2, else 0's). 0 when done; 1: a format this file does not read; 2: K not a whole
 // number of blocks; 3: an unknown `prefill`.
 int specdecode_qmm(int format, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                    float* y, int64_t ldy, int threads, int prefill) {
