@@ -96,6 +96,35 @@ def test_avx2_and_avx512_give_the_same_bits(fmt: str) -> None:
         assert torch.equal(decoding, narrow.approximate().matmul(x[:m], again))
 
 
+@pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
+def test_pairing_tiles_or_not_gives_the_same_bits(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether few rows pair a unit's two tiles is the machine's choice (timed when the AVX-512
+    build loads, or forced by SPECDECODE_PAIR_TILES): it never changes a result, at any row count
+    through either path."""
+    kernel = quant_kernel("avx512")
+    if kernel is None:
+        pytest.skip("needs the AVX-512 build")
+    lib = kernel._lib
+    monkeypatch.setenv("SPECDECODE_PAIR_TILES", "0")
+    assert cpu_isa.tile_pairing(lib) is False
+    monkeypatch.setenv("SPECDECODE_PAIR_TILES", "1")
+    assert cpu_isa.tile_pairing(lib) is True
+    monkeypatch.delenv("SPECDECODE_PAIR_TILES")
+    chosen = cpu_isa.tile_pairing(lib)  # timed
+    weight = kernel.pack(random_weight(fmt, 80, 512, seed=11))  # two units and a padded one
+    x = torch.randn(33, 512, generator=torch.Generator().manual_seed(12))
+    try:
+        outs = []
+        for on in (0, 1):
+            lib.specdecode_pair_tiles(on)
+            outs.append([kernel.matmul(x[:m], weight) for m in (1, 2, 3, 4, 5, 6, 7, 12, 13, 20, 32, 33)])
+    finally:
+        lib.specdecode_pair_tiles(int(chosen))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(outs[0][-2], torch.cat([kernel.matmul(x[i : i + 1], weight) for i in range(32)]))
+
+
 def on_int8_grid(rows: int, cols: int, seed: int) -> torch.Tensor:
     """x (rows, cols) that int8 rounding per group of 32 keeps exactly: integers in [-127, 127]
     times a power of two per group, each group's largest magnitude 127."""

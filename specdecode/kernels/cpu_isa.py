@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from specdecode.kernels import build, tiles
-from specdecode.kernels.base import LayerWeights
+from specdecode.kernels.base import QUANT_FORMATS, LayerWeights
 from specdecode.kernels.reference import apply_rotary
 from specdecode.kernels.reference import rms_norm as torch_rms_norm
 from specdecode.kernels.reference import silu_mul as torch_silu_mul
@@ -107,6 +107,10 @@ def library(isa: str, optional: bool = True) -> ctypes.CDLL | None:
     lib.specdecode_attention_prefetch.argtypes = [n]
     lib.specdecode_attention_prefetch.restype = None
     lib.specdecode_attention_prefetch(int(attention_prefetch(RowOps(isa, lib))))
+    lib.specdecode_pair_tiles.argtypes = [n]
+    lib.specdecode_pair_tiles.restype = None
+    if isa == "avx512":  # the one build whose few rows can pair tiles
+        lib.specdecode_pair_tiles(int(tile_pairing(lib)))
     return lib
 
 
@@ -138,6 +142,49 @@ def attention_prefetch(ops: RowOps) -> bool:
         for on in (True, False):
             runs[on].append(seconds(on))
     return statistics.median(runs[True]) <= statistics.median(runs[False])
+
+
+def tile_pairing(lib: ctypes.CDLL) -> bool:
+    """Whether the AVX-512 build's few-row products should pair a unit's two tiles up to 6 rows
+    (quant_gemm.cpp's `pair_tiles`, as chosen on a Zen 5) rather than go a tile a pass (8-25%
+    faster at 1-32 rows on a Zen 4, whose AVX-512 runs as two halves): `SPECDECODE_PAIR_TILES`
+    (0 or 1) where set, else timed both ways: random Q4_K products of 2 and 4 rows over four
+    copies of a 4096 x 1536 matrix (14 MB), alternately, five times each; the faster median wins
+    (the same bits either way)."""
+    forced = os.environ.get("SPECDECODE_PAIR_TILES")
+    if forced in ("0", "1"):
+        return forced == "1"
+    fmt, per, size = QUANT_FORMATS["Q4_K"]
+    rows, k = 4096, 1536
+    blocks = torch.randint(
+        0, 256, (rows, k // per, size), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+    blocks[:, :, 0:4] = torch.tensor([0x00, 0x1C, 0x00, 0x1C], dtype=torch.uint8)  # d = dmin = 2^-8 (fp16)
+    src = blocks.reshape(rows, -1).contiguous()
+    copies = [torch.empty(lib.specdecode_qpacked_bytes(fmt, rows, k), dtype=torch.uint8) for _ in range(4)]
+    for packed in copies:
+        lib.specdecode_qpack(fmt, src.data_ptr(), rows, k, packed.data_ptr())
+    xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for m in (2, 4)]  # (M, K)
+    y = torch.empty(4, rows)
+    threads = torch.get_num_threads()
+
+    def seconds(on: bool) -> float:
+        lib.specdecode_pair_tiles(int(on))
+        start = time.perf_counter()
+        for x in xs:
+            for packed in copies:
+                m = x.shape[0]
+                lib.specdecode_qmm(
+                    fmt, x.data_ptr(), m, k, packed.data_ptr(), rows, y.data_ptr(), rows, threads, DECODING
+                )
+        return time.perf_counter() - start
+
+    seconds(True)  # the copies' pages touched
+    runs: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(5):
+        for on in (True, False):
+            runs[on].append(seconds(on))
+    return statistics.median(runs[True]) < statistics.median(runs[False])
 
 
 class Probe:

@@ -563,7 +563,11 @@ constexpr int UNIT = 2 * TILE;
 // Where FR1 > FR (AVX-512), a unit's tiles go one at a time instead, R <= FR1 rows a pass (2 R
 // sums), past `PAIRED_ROWS`: on Zen 4 that was 8-25% faster than two tiles of FR rows at 1-32
 // rows of Q4_K, Q5_0 and Q6_K, at 2-32 of Q4_1, and 15% for Q8_0 at 16-32; each tile is decoded
-// once per FR1 rows rather than once per FR.
+// once per FR1 rows rather than once per FR. `pair_tiles` keeps the earlier choice instead (two
+// tiles up to FR rows, Q6_K up to 4; a tile a pass at FR1 rows or fewer past that), chosen on a
+// Zen 5: which is faster is timed when the library loads (`cpu_isa.tile_pairing`), and either
+// way the same arithmetic, so the same bits.
+bool pair_tiles = false;
 #if defined(__AVX512F__)
 constexpr int TILES = 2, FEW = 32, FR = 6, FR1 = 12, SR = 6, PR = 6;
 #elif defined(__AVX2__)
@@ -1296,7 +1300,9 @@ void product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, 
              int threads) {
     const int64_t unit_bytes = 2 * (K / F::weights) * F::packed;
     const int64_t units = (N + UNIT - 1) / UNIT;
-    const bool few = M <= FEW, one_pass = FR1 > FR && few && M > PAIRED_ROWS<F>;
+    // (paired as before: Q6_K's decoding takes registers of its own, two of its tiles at 5 or 6 rows spill)
+    const int paired = pair_tiles ? (F::uniform ? FR : 4) : PAIRED_ROWS<F>;
+    const bool few = M <= FEW, one_pass = FR1 > FR && few && M > paired && (!pair_tiles || M <= FR1);
     std::vector<float> xs(size_t(M * (K / 16)));
     half_sums(x, M, K, xs.data());
 #pragma omp parallel num_threads(threads)
@@ -1457,6 +1463,9 @@ int specdecode_qpack(int format, const uint8_t* src, int64_t N, int64_t K, uint8
     lay.pack(src, N, K, dst);
     return 0;
 }
+
+// Few rows pair a unit's tiles as chosen before (1) or go a tile a pass (0): see FR1.
+void specdecode_pair_tiles(int on) { pair_tiles = on != 0; }
 
 // y[m * ldy + n] for the N rows of packed W, with the arithmetic of decoding rows (`prefill` 0:
 // each row's result the same in any batch), of prefill rows (1), of a draft's prefill rows (2:
