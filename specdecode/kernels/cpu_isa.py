@@ -17,7 +17,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -114,6 +114,18 @@ def library(isa: str, optional: bool = True) -> ctypes.CDLL | None:
     return lib
 
 
+def faster_on(seconds: Callable[[bool], float], ties: bool) -> bool:
+    """Whether a kernel's switch is faster on than off: `seconds(on)` run once untimed (the data's
+    pages touched), then alternately five times each; the lower median wins (`ties` on a tie)."""
+    seconds(True)
+    runs: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(5):
+        for on in (True, False):
+            runs[on].append(seconds(on))
+    on, off = statistics.median(runs[True]), statistics.median(runs[False])
+    return on < off or (on == off and ties)
+
+
 def attention_prefetch(ops: RowOps) -> bool:
     """Whether row attention should ask for keys and values ahead in software on this machine
     (row_ops.cpp's `ask_for`): `SPECDECODE_ATTENTION_PREFETCH` (0 or 1) where set, else timed
@@ -136,12 +148,7 @@ def attention_prefetch(ops: RowOps) -> bool:
             ops(q, new, new, k, v, rows, new_slot, row_ptr, idx, out)
         return time.perf_counter() - start
 
-    seconds(True)  # the caches' pages touched
-    runs: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(5):
-        for on in (True, False):
-            runs[on].append(seconds(on))
-    return statistics.median(runs[True]) <= statistics.median(runs[False])
+    return faster_on(seconds, ties=True)
 
 
 def tile_pairing(lib: ctypes.CDLL) -> bool:
@@ -179,12 +186,7 @@ def tile_pairing(lib: ctypes.CDLL) -> bool:
                 )
         return time.perf_counter() - start
 
-    seconds(True)  # the copies' pages touched
-    runs: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(5):
-        for on in (True, False):
-            runs[on].append(seconds(on))
-    return statistics.median(runs[True]) < statistics.median(runs[False])
+    return faster_on(seconds, ties=False)
 
 
 class Probe:
