@@ -1118,9 +1118,9 @@ void quantize_words(const float* x, int64_t M, int64_t K, int8_t* q, float* d) {
     }
 }
 
-#if defined(__AVX512F__)
 constexpr int IDR = 4;  // int8 decoding rows at a time
 
+#if defined(__AVX512F__)
 // R rows of int8 x (xq: `quantize_words`; scales xd (R, K/32); float half sums xs (R, K/16)) over
 // both tiles of a unit of F's words.
 // S: integer sums a row and tile keeps (added at the end of a group), so that one row's dot
@@ -1171,6 +1171,18 @@ __attribute__((noinline)) void int8_word_rows(const int8_t* xq, const float* xd,
     }
     for (int r = 0; r < R; ++r) lanes_store<2>(out[r], y + r * ldy, valid);
 }
+
+// The build's int8 decoding rows (`int8_decoding_product`): which formats take them, x's int8
+// bytes a weight as they read it (`int8_x`), and R rows over a unit.
+template <class F>
+constexpr bool INT8_DECODES = INT8_WORDS<F>;
+constexpr int64_t X8 = 1;
+void int8_x(const float* x, int64_t M, int64_t K, int8_t* q, float* d) { quantize_words(x, M, K, q, d); }
+template <class F, int R>
+void int8_unit_rows(const int8_t* xq, const float* xd, const float* xs, int64_t K, const uint8_t* unit, float* y,
+                    int64_t ldy, int valid) {
+    int8_word_rows<F, R>(xq, xd, xs, K, unit, y, ldy, valid);
+}
 #elif defined(__AVX2__)
 // AVX2 keeps Q4_0 and Q4_1 in byte pairs (`put4<false>`): step j's byte of output c holds weights
 // j and j + 16 of its group. A step pair's 32 bytes (steps 2p and 2p + 1, one per 128-bit half)
@@ -1180,8 +1192,6 @@ __attribute__((noinline)) void int8_word_rows(const int8_t* xq, const float* xd,
 // of each output. Summed in int16 over a group's 8 step pairs (8 x 2 x 15 x 127 < 2^15), widened
 // once per group: two loads, five integer operations and four `vpmaddubsw` a step pair and row,
 // against 8 float multiply-adds a row and ~10 operations decoding the floats.
-constexpr int IDR = 4;  // int8 decoding rows at a time
-
 // int8 x (M, K) in `quantize_rows`'s order -> per group of 32 and step pair p (0..7) 32 bytes:
 // (x[2p], x[2p + 16]) in each int16 of the low 16, (x[2p + 1], x[2p + 17]) of the high: (M, 8 K).
 void pair_x(const int8_t* q, int64_t M, int64_t K, int8_t* out) {
@@ -1232,6 +1242,27 @@ __attribute__((noinline)) void int8_pair_rows(const int8_t* xp, const float* xd,
     }
     for (int r = 0; r < R; ++r) out.store(r, y + r * ldy + first * TILE, valid - first * TILE);
 }
+
+template <class F>
+constexpr bool INT8_DECODES = F::weights == 32 && F::bits == 4;
+constexpr int64_t X8 = 8;
+void int8_x(const float* x, int64_t M, int64_t K, int8_t* xp, float* d) {
+    std::vector<int8_t> q(size_t(M * K));
+    quantize_rows(x, M, K, q.data(), d);
+    pair_x(q.data(), M, K, xp);
+}
+template <class F, int R>
+void int8_unit_rows(const int8_t* xp, const float* xd, const float* xs, int64_t K, const uint8_t* unit, float* y,
+                    int64_t ldy, int valid) {
+    for (int first = 0; first < 2; ++first) int8_pair_rows<F, R>(xp, xd, xs, K, unit, first, y, ldy, valid);
+}
+#else  // the float decoding rows (the declarations only name what is never called here)
+template <class F>
+constexpr bool INT8_DECODES = false;
+constexpr int64_t X8 = 1;
+inline void int8_x(const float*, int64_t, int64_t, int8_t*, float*) {}
+template <class F, int R>
+void int8_unit_rows(const int8_t*, const float*, const float*, int64_t, const uint8_t*, float*, int64_t, int) {}
 #endif
 
 template <class F>
@@ -1240,13 +1271,12 @@ void product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, 
 template <class F>
 void int8_decoding_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y,
                            int64_t ldy, int threads) {
-#if defined(__AVX512F__)
-    if constexpr (INT8_WORDS<F>) {
+    if constexpr (INT8_DECODES<F>) {
         const int64_t unit_bytes = 2 * (K / F::weights) * F::packed;
         const int64_t units = (N + UNIT - 1) / UNIT;
-        std::vector<int8_t> xq(size_t(M * K));
+        std::vector<int8_t> xq(size_t(X8 * M * K));
         std::vector<float> xd(size_t(M * (K / 32))), xs(size_t(M * (K / 16)));
-        quantize_words(x, M, K, xq.data(), xd.data());
+        int8_x(x, M, K, xq.data(), xd.data());
         half_sums(x, M, K, xs.data());
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t u = 0; u < units; ++u) {
@@ -1254,39 +1284,14 @@ void int8_decoding_product(const float* x, int64_t M, int64_t K, const uint8_t* 
             const int valid = int(N - n0 < UNIT ? N - n0 : UNIT);
             int64_t r0 = 0;
             by_rows<IDR>(M, [&]<int R>() {
-                int8_word_rows<F, R>(xq.data() + r0 * K, xd.data() + r0 * (K / 32), xs.data() + r0 * (K / 16), K,
+                int8_unit_rows<F, R>(xq.data() + r0 * X8 * K, xd.data() + r0 * (K / 32), xs.data() + r0 * (K / 16), K,
                                      w + u * unit_bytes, y + r0 * ldy + n0, ldy, valid);
                 r0 += R;
             });
         }
-        return;
+    } else {
+        product<F>(x, M, K, w, N, y, ldy, threads);
     }
-#elif defined(__AVX2__)
-    if constexpr (F::weights == 32 && F::bits == 4) {
-        const int64_t unit_bytes = 2 * (K / F::weights) * F::packed;
-        const int64_t units = (N + UNIT - 1) / UNIT;
-        std::vector<int8_t> xq(size_t(M * K)), xp(size_t(8 * M * K));
-        std::vector<float> xd(size_t(M * (K / 32))), xs(size_t(M * (K / 16)));
-        quantize_rows(x, M, K, xq.data(), xd.data());
-        pair_x(xq.data(), M, K, xp.data());
-        half_sums(x, M, K, xs.data());
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t u = 0; u < units; ++u) {
-            const int64_t n0 = u * UNIT;
-            const int valid = int(N - n0 < UNIT ? N - n0 : UNIT);
-            for (int first = 0; first < 2; ++first) {
-                int64_t r0 = 0;
-                by_rows<IDR>(M, [&]<int R>() {
-                    int8_pair_rows<F, R>(xp.data() + r0 * 8 * K, xd.data() + r0 * (K / 32), xs.data() + r0 * (K / 16),
-                                         K, w + u * unit_bytes, first, y + r0 * ldy + n0, ldy, valid);
-                    r0 += R;
-                });
-            }
-        }
-        return;
-    }
-#endif
-    product<F>(x, M, K, w, N, y, ldy, threads);
 }
 
 // Up to how many rows a pass decodes both tiles of a unit where FR1 > FR (see FR1): Q8_0's quants
@@ -1300,9 +1305,10 @@ void product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, 
              int threads) {
     const int64_t unit_bytes = 2 * (K / F::weights) * F::packed;
     const int64_t units = (N + UNIT - 1) / UNIT;
-    // (paired as before: Q6_K's decoding takes registers of its own, two of its tiles at 5 or 6 rows spill)
-    const int paired = pair_tiles ? (F::uniform ? FR : 4) : PAIRED_ROWS<F>;
-    const bool few = M <= FEW, one_pass = FR1 > FR && few && M > paired && (!pair_tiles || M <= FR1);
+    // Rows a tile a pass takes: past `paired`, up to `single` (paired as before: Q6_K's decoding
+    // takes registers of its own, two of its tiles at 5 or 6 rows spill).
+    const int paired = pair_tiles ? (F::uniform ? FR : 4) : PAIRED_ROWS<F>, single = pair_tiles ? FR1 : FEW;
+    const bool few = M <= FEW, one_pass = FR1 > FR && M > paired && M <= single;
     std::vector<float> xs(size_t(M * (K / 16)));
     half_sums(x, M, K, xs.data());
 #pragma omp parallel num_threads(threads)
