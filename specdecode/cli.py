@@ -43,6 +43,16 @@ def add_quantization_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_activations_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--activations",
+        default="float32",
+        choices=["float32", "int8"],
+        help="int8: block-format products round their inputs to int8 per group of 32, as llama.cpp "
+        "does (faster; outputs no longer those of the dequantized weights)",
+    )
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="short name, .gguf file, HF directory or hub id")
     p.add_argument(
@@ -238,6 +248,7 @@ def _load_llm(args: argparse.Namespace, speculative: object) -> LLM:
         model=args.model,
         dtype=args.dtype,
         quantization=args.quantization,
+        activations=args.activations,
         device=args.device,
         speculative=speculative,
         num_threads=args.threads,
@@ -361,6 +372,7 @@ def _serve_on_ray(args: argparse.Namespace, config: EngineConfig) -> None:
         engine=config,
         dtype=args.dtype,
         quantization=args.quantization,
+        activations=args.activations,
         device=args.device,
         threads=args.threads or 1,
         gpus=gpus,
@@ -379,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text from a prompt")
     add_model_args(gen)
     add_quantization_arg(gen)
+    add_activations_arg(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_sampling_args(gen)
@@ -412,12 +425,15 @@ def build_parser() -> argparse.ArgumentParser:
         module = f"specdecode.bench.{name}"
         bench = sub.add_parser(command, help=about)
         add_model_args(bench)
+        if name in ("specbench", "peer"):  # the benchmarks that compare speeds of one model's runs
+            add_activations_arg(bench)
         importlib.import_module(module).add_args(bench)
         bench.set_defaults(func=_main_of(module))
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (in-flight batching, speculation)")
     add_model_args(srv)
     add_quantization_arg(srv)
+    add_activations_arg(srv)
     srv.add_argument(
         "--speculative",
         type=_speculative_json,

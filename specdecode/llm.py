@@ -54,10 +54,14 @@ class LLM:
     directory, or a hub id where a network exists. `dtype` "auto" runs a GGUF's weights as stored
     (its block formats, float32 activations; on a CPU) and other models in float32, and on a GPU
     every model in bfloat16; "float32", "bfloat16" or "float16" dequantize every weight to that
-    dtype. `quantization` ("q4_0", "q4_1", "q5_0",
-    "q8_0") quantizes a float checkpoint's linear weights and LM head on load, run as a GGUF's
-    are. `device` defaults to CUDA when available, else CPU. `speculative` is the default speculative method
-    for every call (a dictionary such as `{"method": "prompt_lookup"}`; None = plain decoding);
+    dtype. `quantization` ("q4_0", "q4_1", "q5_0", "q8_0") quantizes a float checkpoint's linear
+    weights and LM head on load, run as a GGUF's are. `activations` "int8" rounds the inputs of
+    those block-format products to int8 per group of 32 where that is faster, as llama.cpp does
+    (faster prompts, and decoding of the 4-bit formats; its own speculative and plain decoding
+    still agree token for token); "float32", the default, keeps the results those of the
+    dequantized weights. `device` defaults to CUDA when available, else CPU. `speculative` is the
+    default speculative method for every call (a dictionary such as `{"method":
+    "prompt_lookup"}`; None = plain decoding);
     a lookahead setting here also fixes the largest (W, N, G) a call may ask for.
 
     The engine's settings, as vLLM names them: `max_num_seqs` requests decode together,
@@ -86,6 +90,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         speculation_policy: bool = True,
         quantization: str | None = None,
+        activations: str = "float32",
     ) -> None:
         if num_threads is not None:
             if num_threads < 1:
@@ -103,7 +108,7 @@ class LLM:
         )
         path = resolve_model(model, progress=progress)
         self.tokenizer = Tokenizer.from_dir(path)
-        self.model = load_target(path, dtype, resolve_device(device), quantization)
+        self.model = load_target(path, dtype, resolve_device(device), quantization, activations)
         self.drafters = DrafterFactory(self.model, self.tokenizer, model, progress)
         if self.speculative is not None:
             self.drafters.build(self.speculative)  # load a draft model or heads now: fail early

@@ -25,6 +25,9 @@ from specdecode.kernels import (
 from specdecode.kernels.quant import QuantCPU, quant_kernel
 from tests.tiny_gguf import write_tiny_gguf
 
+# Formats whose decoding rows a model run with int8 activations reads in int8 (AVX-512, AVX2).
+INT8_DECODED = ("Q4_0", "Q4_1", "Q4_K")
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -92,7 +95,7 @@ def test_avx2_and_avx512_give_the_same_bits(fmt: str) -> None:
         assert torch.equal(prompt, narrow.matmul(x[:m], again, prefill=True))
         draft = wide.approximate().matmul(x[:m], weight, prefill=True)  # integer sums, then the same floats
         assert torch.equal(draft, narrow.approximate().matmul(x[:m], again, prefill=True))
-        decoding = wide.approximate().matmul(x[:m], weight)  # words against byte pairs, for Q4_0/Q4_1
+        decoding = wide.approximate().matmul(x[:m], weight)  # int8 for the 4-bit formats (words or pairs)
         assert torch.equal(decoding, narrow.approximate().matmul(x[:m], again))
 
 
@@ -140,10 +143,10 @@ def on_int8_grid(rows: int, cols: int, seed: int) -> torch.Tensor:
 def test_a_drafts_prompt_rows_in_int8(isa: str, fmt: str) -> None:
     """`approximate()`'s prefill rows round x to int8 per group of 32 and sum x q in integers:
     exact (to float rounding) where that rounding keeps x, close elsewhere; each row on its own.
-    Its decoding rows are the same int8 products for Q4_0 and Q4_1 on AVX-512 (read from their
-    words) and AVX2 (from their byte pairs), bit for bit those of the prompt rows, one row or
-    several; elsewhere they are the exact kernel's, bit for bit, as are Q8_0's prompt rows
-    (signed quants: the float path)."""
+    Its decoding rows are the same int8 products for the 4-bit formats on AVX-512 and AVX2 (Q4_0
+    and Q4_1 read from their words on AVX-512, the rest from byte pairs), bit for bit those of
+    the prompt rows, one row or several; elsewhere they are the exact kernel's, bit for bit, as
+    are Q8_0's prompt rows (signed quants: the float path)."""
     exact = quant_kernel(isa)
     assert exact is not None
     draft = exact.approximate()
@@ -160,7 +163,7 @@ def test_a_drafts_prompt_rows_in_int8(isa: str, fmt: str) -> None:
     off = draft.matmul(noisy, weight, prefill=True).double() - noisy.double() @ w
     assert float(off.norm() / (noisy.double() @ w).norm()) < 0.02
     decoding = draft.matmul(noisy, weight)
-    if isa in ("avx512", "avx2") and fmt in ("Q4_0", "Q4_1"):
+    if isa in ("avx512", "avx2") and fmt in INT8_DECODED:
         assert torch.equal(decoding, draft.matmul(noisy, weight, prefill=True))
         assert not torch.equal(decoding, exact.matmul(noisy, weight))
         for m in (1, 2, 3, 4, 5, 9):  # each register block size, and several passes of them
@@ -432,15 +435,15 @@ def test_the_whole_decoder_in_one_call_gives_the_layers_bits(quant_gguf: Path) -
 
 
 def test_a_draft_model_reads_its_prompt_in_int8(quant_gguf: Path) -> None:
-    """A draft model runs on `Kernels.for_drafts()`: its prompt's rows take the int8 products,
+    """A draft model runs on `Kernels.int8_activations()`: its prompt's rows take the int8 products,
     in one decoder call as layer by layer (the same bits), close to the target's float ones; so
-    do its decoding rows of Q4_0 and Q4_1 on AVX-512 and AVX2, else they are the target's, bit
+    do its decoding rows of the 4-bit formats on AVX-512 and AVX2, else they are the target's, bit
     for bit; and speculation with it stays exact."""
     llm = LLM(str(quant_gguf), progress=False)
     if llm.model.kernels.quant is None:
         pytest.skip("no quantized kernels here (no C++ compiler, or SPECDECODE_CPU_ISA=off)")
     target, draft = llm.model, llm.drafters.draft_model(str(quant_gguf), "stored")
-    assert draft is not target and draft.kernels.name == f"{target.kernels.name}-draft"
+    assert draft is not target and draft.kernels.name == f"{target.kernels.name}-int8"
     ids = torch.tensor([[(7 * i) % 90 + 3 for i in range(40)]])
 
     def hidden(model: torch.nn.Module, prompt: bool) -> torch.Tensor:
@@ -460,7 +463,7 @@ def test_a_draft_model_reads_its_prompt_in_int8(quant_gguf: Path) -> None:
     # checked against its exact sum in test_a_drafts_prompt_rows_in_int8)
     assert float(torch.nn.functional.cosine_similarity(one_call, exact).mean()) > 0.9
     exact_decoding = hidden(target, prompt=False)
-    if draft.kernels.quant.isa in ("avx512", "avx2"):  # its Q4_0 and Q4_1 rows in int8
+    if draft.kernels.quant.isa in ("avx512", "avx2"):  # its 4-bit rows in int8
         assert float(torch.nn.functional.cosine_similarity(decoding, exact_decoding).mean()) > 0.9
     else:
         assert torch.equal(decoding, exact_decoding)
@@ -468,6 +471,48 @@ def test_a_draft_model_reads_its_prompt_in_int8(quant_gguf: Path) -> None:
     plain = llm.generate([ids[0].tolist()], params, use_tqdm=False)[0].token_ids
     spec = {"method": "draft_model", "draft_model": str(quant_gguf), "draft_dtype": "stored"}
     assert llm.generate([ids[0].tolist()], params, use_tqdm=False, speculative=spec)[0].token_ids == plain
+
+
+def test_a_target_with_int8_activations_speculates_exactly(quant_gguf: Path) -> None:
+    """`activations="int8"` runs the target on `Kernels.int8_activations()`, as llama.cpp computes:
+    its logits move a little from the float32 run's, but a row's result is still the same alone
+    or in any batch (a verified draft's rows are those plain decoding computes one at a time),
+    so every method's greedy output equals its own plain decoding's, token for token."""
+    exact = LLM(str(quant_gguf), progress=False)
+    if exact.model.kernels.quant is None:
+        pytest.skip("no quantized kernels here (no C++ compiler, or SPECDECODE_CPU_ISA=off)")
+    llm = LLM(str(quant_gguf), activations="int8", progress=False)
+    model = llm.model
+    assert model.kernels.name == f"{exact.model.kernels.name}-int8"
+    ids = torch.tensor([[(5 * i) % 80 + 7 for i in range(30)]])  # (1, 30)
+    with torch.inference_mode():
+        cache = model.new_cache(64)
+        model(ids[:, :24], torch.arange(24)[None], cache, prompt=True)
+        rows = model(ids[:, 24:], torch.arange(24, 30)[None], cache)[0]  # (6, C): a verified draft's
+        cache.truncate(24)
+        alone = torch.cat([model(ids[:, t : t + 1], torch.tensor([[t]]), cache)[0] for t in range(24, 30)])
+        assert torch.equal(rows, alone)
+        float_rows = exact.model(ids, torch.arange(30)[None], exact.model.new_cache(64))[0, 24:]
+    assert not torch.equal(rows, float_rows)
+    assert float(torch.nn.functional.cosine_similarity(rows, float_rows).mean()) > 0.9
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [[200 + i, 5, 17, 200 + i, 5] for i in range(4)]
+    plain = [llm.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
+    for spec in (
+        {"method": "prompt_lookup"},
+        {"method": "lookahead", "window_size": 3, "ngram_size": 3, "verification_set_size": 3},
+        {"method": "draft_model", "draft_model": str(quant_gguf), "draft_dtype": "stored"},
+    ):
+        got = llm.generate(prompts, params, use_tqdm=False, speculative=spec)
+        assert [o.token_ids for o in got] == plain, spec
+
+
+def test_int8_activations_need_weights_in_block_formats(quant_gguf: Path) -> None:
+    with pytest.raises(SpecDecodeError, match="unknown activations 'int4'"):
+        LLM(str(quant_gguf), activations="int4", progress=False)
+    with pytest.raises(SpecDecodeError, match="activations=int8 needs weights in block formats"):
+        LLM(str(quant_gguf), dtype="float32", activations="int8", progress=False)
 
 
 def test_a_float_dense_quantized_holds_the_round_trip() -> None:

@@ -206,7 +206,7 @@ def test_draft_dtype(llm: LLM, tiny_paths, tmp_path: Path) -> None:
         q4_path = write_tiny_gguf(tiny_paths[1].parent / "q4.gguf", "llama", seed=1, width=4, formats=q4).path
 
         def formats(model: Transformer) -> set[str]:  # runs on the target's kernels for drafts
-            assert model.dtype == torch.float32 and model.kernels.name == f"{llm.model.kernels.name}-draft"
+            assert model.dtype == torch.float32 and model.kernels.name == f"{llm.model.kernels.name}-int8"
             draft_quant = model.kernels.quant
             assert model.layers[0].qkv.kernel is draft_quant and draft_quant.layout == quant.layout
             return {p.format for layer in model.layers for p in layer.qkv.quantized.parts}

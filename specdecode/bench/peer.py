@@ -146,7 +146,8 @@ def main_args(args: argparse.Namespace) -> None:
     path = gguf_path(args.model) if args.model in REGISTRY else Path(args.model)
     if path.suffix != ".gguf" or not path.is_file():
         raise SpecDecodeError(f"bench-peer compares on a GGUF file: {args.model} is not one")
-    llm = LLM(args.model, dtype=args.dtype, progress=False)  # a short name finds its shipped heads
+    # a short name finds its shipped heads
+    llm = LLM(args.model, dtype=args.dtype, activations=args.activations, progress=False)
     questions = load_questions(args.questions, args.per_category, args.categories)
     prompts = [
         (q["category"], llm.chat_prompt([{"role": "user", "content": q["turns"][0]}])) for q in questions
@@ -158,7 +159,8 @@ def main_args(args: argparse.Namespace) -> None:
     quant = kernels.quant.name if kernels.quant is not None else "none: dequantized"
     print(
         f"{path.name}, {threads} threads, {len(prompts)} prompts, {args.max_tokens} tokens, greedy; "
-        f"specdecode kernels {kernels.name}, quantized {quant}, dtype {args.dtype}"
+        f"specdecode kernels {kernels.name}, quantized {quant}, dtype {args.dtype}, "
+        f"activations {args.activations}"
     )
     print(table(runs, categories))
     if args.json:

@@ -381,6 +381,7 @@ def main_args(args: argparse.Namespace) -> None:
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
+        activations=args.activations,
         device=args.device,
         num_threads=args.threads,
         speculation_policy=args.policy,

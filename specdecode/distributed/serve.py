@@ -69,6 +69,7 @@ class ServeSettings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     dtype: str = "auto"
     quantization: str | None = None
+    activations: str = "float32"
     device: str | None = None
     threads: int = 1
     gpus: float = 0.0
@@ -142,6 +143,7 @@ class EngineReplica:
             model=settings.model,
             dtype=settings.dtype,
             quantization=settings.quantization,
+            activations=settings.activations,
             device=settings.device,
             speculative=settings.engine.speculative,
             num_threads=settings.threads,

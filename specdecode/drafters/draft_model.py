@@ -212,7 +212,7 @@ class DraftModelDrafter(Drafter):
         """Run `tokens` through the draft after its cache (chunked); returns the last hidden state
         (C,), or an empty (0,) tensor when `tokens` is empty (begin with a one-token prompt).
         `prompt`: they are the prompt's, which the draft's kernels read with the prompt rows'
-        arithmetic (`Kernels.for_drafts`: int8); else they take its decoding rows'."""
+        arithmetic (`Kernels.int8_activations`: int8); else they take its decoding rows'."""
         assert self.cache is not None
         device = self.draft.device
         hidden = torch.empty(0, device=device)

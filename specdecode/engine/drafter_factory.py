@@ -186,7 +186,7 @@ class DrafterFactory:
                 model = load_quantized(path, use, self.target.device)
             else:
                 model = Transformer.from_dir(path, use, self.target.device)
-            model.bind_kernels(model.kernels.for_drafts())  # int8 activations (a draft only proposes)
+            model.bind_kernels(model.kernels.int8_activations())  # int8 activations (a draft only proposes)
             return model
 
         return self.load("draft_model", name, use, make)

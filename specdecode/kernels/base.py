@@ -169,15 +169,16 @@ class Kernels:
         """The first approximate kernel that takes this (in, out) weight."""
         return next(k for k in self.approx if k.accepts(weight_t))
 
-    def for_drafts(self) -> Kernels:
-        """The kernels a draft model runs on: these, with its products computed with less
-        precision where the quantized kernel has a faster way (`QuantKernel.approximate`: its
-        prompt's rows, and its decoding rows where the quants allow). A draft only proposes: the
-        target's verification keeps output exact."""
+    def int8_activations(self) -> Kernels:
+        """These kernels with the quantized products' activations rounded to int8 where that is
+        faster (`QuantKernel.approximate`: prompt rows, and decoding rows of the 4-bit formats):
+        what a draft model runs on (a draft only proposes; the target's verification keeps output
+        exact), and a target where asked (`activations="int8"`, as llama.cpp computes: its own
+        plain and speculative decoding still agree, each row's result the same in any batch)."""
         if self.quant is None:
             return self
         decoder = None if self.decoder is None else self.decoder.approximate()
-        return replace(self, name=f"{self.name}-draft", quant=self.quant.approximate(), decoder=decoder)
+        return replace(self, name=f"{self.name}-int8", quant=self.quant.approximate(), decoder=decoder)
 
     def attends(self, q: Tensor) -> bool:
         """Whether `attend_rows` takes these queries (B, H, T, D): one sequence row of a dtype it

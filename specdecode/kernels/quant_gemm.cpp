@@ -1094,17 +1094,19 @@ void int8_prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w
     }
 }
 
-// ---- decoding rows with int8 activations (drafts) --------------------------------------------------
-// A draft's decoding rows (a token or the few it catches up on) may be read in int8 too. Where a
-// format's quants sit in words (Q4_0, Q4_1 on AVX-512: `put4<true>`), a word's eight quants of a
-// run (steps 8i .. 8i + 7 of a half group) are two sets of four bytes with no spreading: its low
-// nibbles (steps 8i + 0, 2, 4, 6) and its high ones (8i + 1, 3, 5, 7), each one VNNI dot product
-// with the row's int8 x in that order (`quantize_words`). A group of a tile is then four loads,
-// six integer operations and eight dot products a row, against 32 shifts and lookups and 32
-// float multiply-adds a row. The integer sums are those of `int8_rows` and the floats after them
-// the same operations in the same order: the same bits as the int8 prefill rows, in any batch.
-// AVX2 reads Q4_0 and Q4_1 from their byte pairs (`int8_pair_rows`, the same sums and floats);
-// other formats and builds take the float decoding rows.
+// ---- decoding rows with int8 activations ----------------------------------------------------------
+// A model run with int8 activations (a draft's, or a target's where asked: `QuantCPU.int8`) may
+// read its decoding rows (a token, or the few of a verified draft) in int8 too, for the 4-bit
+// formats. Where a format's quants sit in words (Q4_0, Q4_1 on AVX-512: `put4<true>`), a word's
+// eight quants of a run (steps 8i .. 8i + 7 of a half group) are two sets of four bytes with no
+// spreading: its low nibbles (steps 8i + 0, 2, 4, 6) and its high ones (8i + 1, 3, 5, 7), each one
+// VNNI dot product with the row's int8 x in that order (`quantize_words`). A group of a tile is
+// then four loads, six integer operations and eight dot products a row, against 32 shifts and
+// lookups and 32 float multiply-adds a row. Quants in byte pairs (Q4_K everywhere; Q4_0, Q4_1 on
+// AVX2) go through `int8_pair_rows`. The integer sums are those of `int8_rows` and the floats
+// after them the same operations in the same order: the same bits as the int8 prefill rows, in
+// any batch, on AVX-512 and AVX2. Other formats and the portable build take the float decoding
+// rows.
 template <class F>
 constexpr bool INT8_WORDS = WORDS4 && F::weights == 32 && F::bits == 4;
 
@@ -1119,6 +1121,110 @@ void quantize_words(const float* x, int64_t M, int64_t K, int8_t* q, float* d) {
 }
 
 constexpr int IDR = 4;  // int8 decoding rows at a time
+
+#if defined(__AVX2__)
+// Byte pairs (`put4<false>`): step j's byte of output c holds weights j and j + 16 of its group. A
+// step pair's 32 bytes (steps 2p and 2p + 1, one per 128-bit half) split into low and high
+// nibbles and interleaved per half put output c's (q[2p], q[2p + 16]) at int16 c of the low half
+// and (q[2p + 1], q[2p + 17]) of the high (outputs 0-7, and 8-15 in a second register): one
+// `vpmaddubsw` each with x's matching pairs (`pair_x`) adds four products of each output. Summed in
+// int16 over a group's 8 step pairs (8 x 2 x 15 x 127 < 2^15), widened once per group: two loads,
+// five integer operations and four `vpmaddubsw` a step pair and row, against 8 float multiply-adds
+// a row and ~10 operations decoding the floats. (256-bit operations in the AVX-512 build too: Zen
+// 4 runs a 512-bit one as two.)
+// int8 x (M, K) in `quantize_rows`'s order -> per group of 32 and step pair p (0..7) 32 bytes:
+// (x[2p], x[2p + 16]) in each int16 of the low 16, (x[2p + 1], x[2p + 17]) of the high: (M, 8 K).
+void pair_x(const int8_t* q, int64_t M, int64_t K, int8_t* out) {
+    for (int64_t i = 0; i < M * (K / 32); ++i, q += 32)
+        for (int p = 0; p < 8; ++p, out += 32)
+            for (int c = 0; c < 8; ++c) {
+                out[2 * c] = q[2 * p], out[2 * c + 1] = q[2 * p + 16];
+                out[16 + 2 * c] = q[2 * p + 1], out[17 + 2 * c] = q[2 * p + 17];
+            }
+}
+
+// With VNNI, one `vpdpbusd` adds four products of an output at once: a step pair's bytes are put
+// in quads (q[2p], q[2p + 16], q[2p + 1], q[2p + 17]) per output (outputs 0-3 and 8-11 in one
+// register, 4-7 and 12-15 in another), multiplied by x's quad (`quad_x`) broadcast: two dot
+// products a step pair and row, summed in int32, against four operations in int16.
+// int8 x (M, K) in `quantize_rows`'s order -> per group and step pair p: x[2p], x[2p + 16],
+// x[2p + 1], x[2p + 17] (M, K).
+void quad_x(const int8_t* q, int64_t M, int64_t K, int8_t* out) {
+    for (int64_t i = 0; i < M * (K / 32); ++i, q += 32)
+        for (int p = 0; p < 8; ++p, out += 4)
+            out[0] = q[2 * p], out[1] = q[2 * p + 16], out[2] = q[2 * p + 1], out[3] = q[2 * p + 17];
+}
+
+// 16 int32 lanes from two registers of 8 (outputs 0-7, 8-15).
+#if defined(__AVX512F__)
+inline VI int32_lanes(__m256i lo, __m256i hi) { return {_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)}; }
+#else
+inline VI int32_lanes(__m256i lo, __m256i hi) { return {lo, hi}; }
+#endif
+
+// R rows of int8 x (xp: `pair_x`; scales xd (R, K/32); float half sums xs (R, K/16)) over tile
+// `first` of a unit of F's byte pairs, group by group (a block's groups: `F::group`).
+template <class F, int R>
+__attribute__((noinline)) void int8_pair_rows(const int8_t* xp, const float* xd, const float* xs, int64_t K,
+                                              const uint8_t* unit, int first, float* y, int64_t ldy, int valid) {
+    constexpr int groups = F::weights / 32;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    Sums<R, 1> out;
+    for (int64_t b = 0; b < K / F::weights; ++b) {
+        prefetch_ahead<F>(unit + 2 * b * F::packed, 2 * F::packed);
+        const uint8_t* block = unit + (2 * b + first) * F::packed;
+        for (int i = 0; i < groups; ++i) {
+            const typename F::Group grp = F::group(block, i);
+            const int64_t g = b * groups + i;
+            // VNNI: int32, outputs 0-3 and 8-11, 4-7 and 12-15; else int16: outputs 0-7 and 8-15,
+            // even steps in the low half, odd in the high
+            __m256i acc[R][2];
+            for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int p = 0; p < 8; ++p) {
+                __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp.q + 32 * p));
+#if defined(__AVX512VNNI__)
+                v = _mm256_permute4x64_epi64(v, 0xD8);  // per half: 8 outputs' bytes of step 2p, then 2p + 1
+                const __m256i l = _mm256_and_si256(v, low), h = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                const __m256i even = _mm256_unpacklo_epi8(l, h), odd = _mm256_unpackhi_epi8(l, h);
+                const __m256i u[2] = {_mm256_unpacklo_epi16(even, odd), _mm256_unpackhi_epi16(even, odd)};
+                for (int r = 0; r < R; ++r) {
+                    int32_t quad;
+                    std::memcpy(&quad, xp + r * K + 32 * g + 4 * p, 4);
+                    const __m256i x = _mm256_set1_epi32(quad);
+                    for (int c = 0; c < 2; ++c) acc[r][c] = _mm256_dpbusd_epi32(acc[r][c], u[c], x);
+                }
+#else
+                const __m256i l = _mm256_and_si256(v, low), h = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                const __m256i u[2] = {_mm256_unpacklo_epi8(l, h), _mm256_unpackhi_epi8(l, h)};
+                for (int r = 0; r < R; ++r) {
+                    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + r * 8 * K + 256 * g + 32 * p));
+                    for (int c = 0; c < 2; ++c) acc[r][c] = _mm256_add_epi16(acc[r][c], _mm256_maddubs_epi16(u[c], x));
+                }
+#endif
+            }
+            for (int r = 0; r < R; ++r) {
+                __m256i half[2];
+#if defined(__AVX512VNNI__)
+                half[0] = _mm256_permute2x128_si256(acc[r][0], acc[r][1], 0x20);
+                half[1] = _mm256_permute2x128_si256(acc[r][0], acc[r][1], 0x31);
+#else
+                for (int c = 0; c < 2; ++c)
+                    half[c] = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[r][c])),
+                                               _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[r][c], 1)));
+#endif
+                const VI sum = int32_lanes(half[0], half[1]);
+                const V d = set1(xd[r * (K / 32) + g]);
+                const float x_lo = xs[r * (K / 16) + 2 * g], x_hi = xs[r * (K / 16) + 2 * g + 1];
+                V o = out.get(r, 0);
+                o = fma(grp.a_lo, mul(to_float(sum), d), o);
+                out.set(r, 0, fma(grp.b_lo, set1(x_lo + x_hi), o));
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) out.store(r, y + r * ldy + first * TILE, valid - first * TILE);
+}
+#endif
 
 #if defined(__AVX512F__)
 // R rows of int8 x (xq: `quantize_words`; scales xd (R, K/32); float half sums xs (R, K/16)) over
@@ -1172,94 +1278,42 @@ __attribute__((noinline)) void int8_word_rows(const int8_t* xq, const float* xd,
     for (int r = 0; r < R; ++r) lanes_store<2>(out[r], y + r * ldy, valid);
 }
 
+#endif
+
 // The build's int8 decoding rows (`int8_decoding_product`): which formats take them, x's int8
-// bytes a weight as they read it (`int8_x`), and R rows over a unit.
+// bytes a weight as F's rows read it (`int8_x`: X8<F> of them), and R rows over a unit.
+#if defined(__AVX2__)
 template <class F>
-constexpr bool INT8_DECODES = INT8_WORDS<F>;
-constexpr int64_t X8 = 1;
-void int8_x(const float* x, int64_t M, int64_t K, int8_t* q, float* d) { quantize_words(x, M, K, q, d); }
+constexpr bool INT8_DECODES = F::bits == 4 && F::uniform;  // Q4_0, Q4_1, Q4_K
+template <class F>
+constexpr int64_t X8 = INT8_WORDS<F> || VNNI ? 1 : 8;
+template <class F>
+void int8_x(const float* x, int64_t M, int64_t K, int8_t* xq, float* d) {
+    if constexpr (INT8_WORDS<F>) {
+        quantize_words(x, M, K, xq, d);
+    } else {
+        std::vector<int8_t> q(size_t(M * K));
+        quantize_rows(x, M, K, q.data(), d);
+        (VNNI ? quad_x : pair_x)(q.data(), M, K, xq);
+    }
+}
 template <class F, int R>
 void int8_unit_rows(const int8_t* xq, const float* xd, const float* xs, int64_t K, const uint8_t* unit, float* y,
                     int64_t ldy, int valid) {
-    int8_word_rows<F, R>(xq, xd, xs, K, unit, y, ldy, valid);
-}
-#elif defined(__AVX2__)
-// AVX2 keeps Q4_0 and Q4_1 in byte pairs (`put4<false>`): step j's byte of output c holds weights
-// j and j + 16 of its group. A step pair's 32 bytes (steps 2p and 2p + 1, one per 128-bit half)
-// split into low and high nibbles and interleaved per half put output c's (q[2p], q[2p + 16]) at
-// int16 c of the low half and (q[2p + 1], q[2p + 17]) of the high (outputs 0-7, and 8-15 in a
-// second register): one `vpmaddubsw` each with x's matching pairs (`pair_x`) adds four products
-// of each output. Summed in int16 over a group's 8 step pairs (8 x 2 x 15 x 127 < 2^15), widened
-// once per group: two loads, five integer operations and four `vpmaddubsw` a step pair and row,
-// against 8 float multiply-adds a row and ~10 operations decoding the floats.
-// int8 x (M, K) in `quantize_rows`'s order -> per group of 32 and step pair p (0..7) 32 bytes:
-// (x[2p], x[2p + 16]) in each int16 of the low 16, (x[2p + 1], x[2p + 17]) of the high: (M, 8 K).
-void pair_x(const int8_t* q, int64_t M, int64_t K, int8_t* out) {
-    for (int64_t i = 0; i < M * (K / 32); ++i, q += 32)
-        for (int p = 0; p < 8; ++p, out += 32)
-            for (int c = 0; c < 8; ++c) {
-                out[2 * c] = q[2 * p], out[2 * c + 1] = q[2 * p + 16];
-                out[16 + 2 * c] = q[2 * p + 1], out[17 + 2 * c] = q[2 * p + 17];
-            }
-}
-
-// R rows of int8 x (xp: `pair_x`; scales xd (R, K/32); float half sums xs (R, K/16)) over tile
-// `first` of a unit of F's byte pairs.
-template <class F, int R>
-__attribute__((noinline)) void int8_pair_rows(const int8_t* xp, const float* xd, const float* xs, int64_t K,
-                                              const uint8_t* unit, int first, float* y, int64_t ldy, int valid) {
-    constexpr int quants = F::packed - 256;  // a tile's block: its scales, then 256 bytes of pairs
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    Sums<R, 1> out;
-    for (int64_t g = 0; g < K / 32; ++g) {
-        prefetch_ahead<F>(unit + 2 * g * F::packed, 2 * F::packed);
-        const uint8_t* block = unit + (2 * g + first) * F::packed;
-        __m256i acc[R][2];  // int16: outputs 0-7 and 8-15, even steps in the low half, odd in the high
-        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int p = 0; p < 8; ++p) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + quants + 32 * p));
-            const __m256i l = _mm256_and_si256(v, low), h = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            const __m256i u[2] = {_mm256_unpacklo_epi8(l, h), _mm256_unpackhi_epi8(l, h)};
-            for (int r = 0; r < R; ++r) {
-                const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + r * 8 * K + 256 * g + 32 * p));
-                for (int c = 0; c < 2; ++c) acc[r][c] = _mm256_add_epi16(acc[r][c], _mm256_maddubs_epi16(u[c], x));
-            }
-        }
-        const typename F::Group grp = F::group(block, 0);
-        for (int r = 0; r < R; ++r) {
-            VI sum;
-            __m256i* half[2] = {&sum.lo, &sum.hi};
-            for (int c = 0; c < 2; ++c)
-                *half[c] = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[r][c])),
-                                            _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[r][c], 1)));
-            const V d = set1(xd[r * (K / 32) + g]);
-            const float x_lo = xs[r * (K / 16) + 2 * g], x_hi = xs[r * (K / 16) + 2 * g + 1];
-            V o = out.get(r, 0);
-            o = fma(grp.a_lo, mul(to_float(sum), d), o);
-            out.set(r, 0, fma(grp.b_lo, set1(x_lo + x_hi), o));
-        }
+#if defined(__AVX512F__)
+    if constexpr (INT8_WORDS<F>) {
+        int8_word_rows<F, R>(xq, xd, xs, K, unit, y, ldy, valid);
+        return;
     }
-    for (int r = 0; r < R; ++r) out.store(r, y + r * ldy + first * TILE, valid - first * TILE);
-}
-
-template <class F>
-constexpr bool INT8_DECODES = F::weights == 32 && F::bits == 4;
-constexpr int64_t X8 = 8;
-void int8_x(const float* x, int64_t M, int64_t K, int8_t* xp, float* d) {
-    std::vector<int8_t> q(size_t(M * K));
-    quantize_rows(x, M, K, q.data(), d);
-    pair_x(q.data(), M, K, xp);
-}
-template <class F, int R>
-void int8_unit_rows(const int8_t* xp, const float* xd, const float* xs, int64_t K, const uint8_t* unit, float* y,
-                    int64_t ldy, int valid) {
-    for (int first = 0; first < 2; ++first) int8_pair_rows<F, R>(xp, xd, xs, K, unit, first, y, ldy, valid);
+#endif
+    for (int first = 0; first < 2; ++first) int8_pair_rows<F, R>(xq, xd, xs, K, unit, first, y, ldy, valid);
 }
 #else  // the float decoding rows (the declarations only name what is never called here)
 template <class F>
 constexpr bool INT8_DECODES = false;
+template <class F>
 constexpr int64_t X8 = 1;
+template <class F>
 inline void int8_x(const float*, int64_t, int64_t, int8_t*, float*) {}
 template <class F, int R>
 void int8_unit_rows(const int8_t*, const float*, const float*, int64_t, const uint8_t*, float*, int64_t, int) {}
@@ -1274,9 +1328,9 @@ void int8_decoding_product(const float* x, int64_t M, int64_t K, const uint8_t* 
     if constexpr (INT8_DECODES<F>) {
         const int64_t unit_bytes = 2 * (K / F::weights) * F::packed;
         const int64_t units = (N + UNIT - 1) / UNIT;
-        std::vector<int8_t> xq(size_t(X8 * M * K));
+        std::vector<int8_t> xq(size_t(X8<F> * M * K));
         std::vector<float> xd(size_t(M * (K / 32))), xs(size_t(M * (K / 16)));
-        int8_x(x, M, K, xq.data(), xd.data());
+        int8_x<F>(x, M, K, xq.data(), xd.data());
         half_sums(x, M, K, xs.data());
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t u = 0; u < units; ++u) {
@@ -1284,7 +1338,7 @@ void int8_decoding_product(const float* x, int64_t M, int64_t K, const uint8_t* 
             const int valid = int(N - n0 < UNIT ? N - n0 : UNIT);
             int64_t r0 = 0;
             by_rows<IDR>(M, [&]<int R>() {
-                int8_unit_rows<F, R>(xq.data() + r0 * X8 * K, xd.data() + r0 * (K / 32), xs.data() + r0 * (K / 16), K,
+                int8_unit_rows<F, R>(xq.data() + r0 * X8<F> * K, xd.data() + r0 * (K / 32), xs.data() + r0 * (K / 16), K,
                                      w + u * unit_bytes, y + r0 * ldy + n0, ldy, valid);
                 r0 += R;
             });

@@ -17,6 +17,8 @@ from specdecode.models.config import ModelConfig
 from specdecode.models.gguf import GGUF_MAGIC, QUANTIZATIONS, load_gguf, source_gguf
 from specdecode.models.registry import REGISTRY, fetch
 
+ACTIVATIONS = ("float32", "int8")  # what the quantized products take as inputs (`load_target`)
+
 if TYPE_CHECKING:
     from specdecode.models.transformer import Transformer
 
@@ -103,23 +105,42 @@ DTYPES = {
 
 
 def load_target(
-    path: Path, dtype: str | torch.dtype, device: torch.device, quantization: str | None = None
+    path: Path,
+    dtype: str | torch.dtype,
+    device: torch.device,
+    quantization: str | None = None,
+    activations: str = "float32",
 ) -> Transformer:
     """The model in the directory `path` (from `resolve_model`). dtype "auto": on a CPU a GGUF's
     weights as stored, in their block formats (float32 activations), anything else in float32; on
     a GPU bfloat16; "float32" / "bfloat16" / "float16": every weight dequantized to that dtype.
     `quantization` (q4_0, q4_1, q5_0, q8_0): a float checkpoint's linear weights and LM head
-    quantized on load and run as a GGUF's are (CPU, float32 activations)."""
+    quantized on load and run as a GGUF's are (CPU, float32 activations). `activations` "int8"
+    (weights in block formats only): the quantized products round their inputs to int8 per group
+    of 32 where that is faster (`Kernels.int8_activations`), as llama.cpp does; "float32" keeps
+    the results those of the dequantized weights (transformers' on them)."""
     from specdecode.models.transformer import Transformer
 
+    if activations not in ACTIVATIONS:
+        raise SpecDecodeError(f"unknown activations {activations!r}: use one of {', '.join(ACTIVATIONS)}")
     if quantization is not None:
         quantization = _check_quantization(path, quantization, dtype)
-        return load_quantized(path, quantization, device)
-    if dtype == "auto":
-        if device.type != "cpu":  # a GPU's matrix units and bandwidth are bfloat16's
-            return Transformer.from_dir(path, torch.bfloat16, device)
-        return Transformer.from_dir(path, torch.float32, device, stored=source_gguf(path))
-    return Transformer.from_dir(path, resolve_dtype(dtype), device)
+        model = load_quantized(path, quantization, device)
+    elif dtype == "auto" and device.type != "cpu":  # a GPU's matrix units and bandwidth are bfloat16's
+        model = Transformer.from_dir(path, torch.bfloat16, device)
+    elif dtype == "auto":
+        model = Transformer.from_dir(path, torch.float32, device, stored=source_gguf(path))
+    else:
+        model = Transformer.from_dir(path, resolve_dtype(dtype), device)
+    if activations == "int8":
+        if model.kernels.quant is None or not model.runs_stored:
+            raise SpecDecodeError(
+                "activations=int8 needs weights in block formats on the CPU kernels: a GGUF with dtype "
+                f"auto or a float checkpoint with quantization=... (here: dtype {dtype}, on {device}, "
+                f"kernels {model.kernels.name})"
+            )
+        model.bind_kernels(model.kernels.int8_activations())
+    return model
 
 
 def load_quantized(path: Path, quantization: str, device: torch.device) -> Transformer:
