@@ -59,7 +59,7 @@ class DraftModelConfig:
     target's dtype. "q4_0", "q4_1", "q5_0", "q8_0": the draft's weights (a GGUF's dequantized)
     quantized on load into that block format, float32 activations, on a CPU. A draft whose
     weights are in block formats reads its prompt with int8 activations, and its decoding rows too
-    where they are Q4_0, Q4_1 or Q4_K on AVX-512 or AVX2 (`Kernels.int8_activations`).
+    where they are Q4_0, Q4_1, Q4_K or Q6_K on AVX-512 or AVX2 (`Kernels.int8_activations`).
     `draft_window`: the draft reads only the last N tokens of each prompt (None: all of it): it
     prefills every prompt as the target does, and on a CPU a long prompt's prefill can cost the
     draft more than its drafts save. Output is unchanged.

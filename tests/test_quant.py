@@ -26,7 +26,7 @@ from specdecode.kernels.quant import QuantCPU, quant_kernel
 from tests.tiny_gguf import write_tiny_gguf
 
 # Formats whose decoding rows a model run with int8 activations reads in int8 (AVX-512, AVX2).
-INT8_DECODED = ("Q4_0", "Q4_1", "Q4_K")
+INT8_DECODED = ("Q4_0", "Q4_1", "Q4_K", "Q6_K")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -95,7 +95,7 @@ def test_avx2_and_avx512_give_the_same_bits(fmt: str) -> None:
         assert torch.equal(prompt, narrow.matmul(x[:m], again, prefill=True))
         draft = wide.approximate().matmul(x[:m], weight, prefill=True)  # integer sums, then the same floats
         assert torch.equal(draft, narrow.approximate().matmul(x[:m], again, prefill=True))
-        decoding = wide.approximate().matmul(x[:m], weight)  # int8 for the 4-bit formats (words or pairs)
+        decoding = wide.approximate().matmul(x[:m], weight)  # int8 (words, pairs, quads)
         assert torch.equal(decoding, narrow.approximate().matmul(x[:m], again))
 
 
@@ -143,8 +143,8 @@ def on_int8_grid(rows: int, cols: int, seed: int) -> torch.Tensor:
 def test_a_drafts_prompt_rows_in_int8(isa: str, fmt: str) -> None:
     """`approximate()`'s prefill rows round x to int8 per group of 32 and sum x q in integers:
     exact (to float rounding) where that rounding keeps x, close elsewhere; each row on its own.
-    Its decoding rows are the same int8 products for the 4-bit formats on AVX-512 and AVX2 (Q4_0
-    and Q4_1 read from their words on AVX-512, the rest from byte pairs), bit for bit those of
+    Its decoding rows are the same int8 products for the 4-bit formats and Q6_K on AVX-512 and
+    AVX2 (Q4_0 and Q4_1 read from their words on AVX-512, Q4_K from byte pairs), bit for bit those of
     the prompt rows, one row or several; elsewhere they are the exact kernel's, bit for bit, as
     are Q8_0's prompt rows (signed quants: the float path)."""
     exact = quant_kernel(isa)
@@ -437,7 +437,7 @@ def test_the_whole_decoder_in_one_call_gives_the_layers_bits(quant_gguf: Path) -
 def test_a_draft_model_reads_its_prompt_in_int8(quant_gguf: Path) -> None:
     """A draft model runs on `Kernels.int8_activations()`: its prompt's rows take the int8 products,
     in one decoder call as layer by layer (the same bits), close to the target's float ones; so
-    do its decoding rows of the 4-bit formats on AVX-512 and AVX2, else they are the target's, bit
+    do its decoding rows of Q4_0, Q4_1, Q4_K and Q6_K on AVX-512 and AVX2, else they are the target's, bit
     for bit; and speculation with it stays exact."""
     llm = LLM(str(quant_gguf), progress=False)
     if llm.model.kernels.quant is None:

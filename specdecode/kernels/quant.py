@@ -42,10 +42,10 @@ class QuantCPU:
         self.name = f"cpu-quant-{isa}" + ("-int8" if prefill == INT8_PREFILL else "")
 
     def approximate(self) -> QuantCPU:
-        """These products with a draft's rows read in int8 (see `quant_gemm.cpp`): prompt rows
-        (~2.5x faster prefill with AVX512-VNNI) and, for Q4_0 and Q4_1 on AVX-512 (read from
-        their words) and AVX2 (from their byte pairs), decoding rows; the others keep the float
-        decoding rows. The same layout: weights packed for one run on the other."""
+        """These products with their rows read in int8 (see `quant_gemm.cpp`; a draft's, or a
+        target's with int8 activations): prompt rows (~2.5x faster prefill with AVX512-VNNI)
+        and, for Q4_0, Q4_1, Q4_K and Q6_K on AVX-512 and AVX2, decoding rows; the others keep
+        the float decoding rows. The same layout: weights packed for one run on the other."""
         return QuantCPU(self.isa, self._lib, INT8_DECODING, INT8_PREFILL)
 
     def pack(self, weight: QuantWeight) -> QuantWeight:

@@ -1095,17 +1095,17 @@ void int8_prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w
 }
 
 // ---- decoding rows with int8 activations ----------------------------------------------------------
-// A model run with int8 activations (a draft's, or a target's where asked: `QuantCPU.int8`) may
-// read its decoding rows (a token, or the few of a verified draft) in int8 too, for the 4-bit
-// formats. Where a format's quants sit in words (Q4_0, Q4_1 on AVX-512: `put4<true>`), a word's
+// A model run with int8 activations (a draft's, or a target's where asked: `QuantCPU.approximate`)
+// may read its decoding rows (a token, or the few of a verified draft) in int8 too, for the 4-bit
+// formats and Q6_K. Where a format's quants sit in words (Q4_0, Q4_1 on AVX-512: `put4<true>`), a word's
 // eight quants of a run (steps 8i .. 8i + 7 of a half group) are two sets of four bytes with no
 // spreading: its low nibbles (steps 8i + 0, 2, 4, 6) and its high ones (8i + 1, 3, 5, 7), each one
 // VNNI dot product with the row's int8 x in that order (`quantize_words`). A group of a tile is
 // then four loads, six integer operations and eight dot products a row, against 32 shifts and
 // lookups and 32 float multiply-adds a row. Quants in byte pairs (Q4_K everywhere; Q4_0, Q4_1 on
-// AVX2) go through `int8_pair_rows`. The integer sums are those of `int8_rows` and the floats
+// AVX2) go through `int8_pair_rows`, Q6_K's through `int8_q6_rows`. The integer sums are those of `int8_rows` and the floats
 // after them the same operations in the same order: the same bits as the int8 prefill rows, in
-// any batch, on AVX-512 and AVX2. Other formats and the portable build take the float decoding
+// any batch, on AVX-512 and AVX2. Q5_0, Q8_0 and the portable build take the float decoding
 // rows.
 template <class F>
 constexpr bool INT8_WORDS = WORDS4 && F::weights == 32 && F::bits == 4;
@@ -1120,7 +1120,11 @@ void quantize_words(const float* x, int64_t M, int64_t K, int8_t* q, float* d) {
     }
 }
 
-constexpr int IDR = 4;  // int8 decoding rows at a time
+#if defined(__AVX512F__)
+constexpr int IDR = 8;  // int8 decoding rows at a time (their sums in registers: 32 zmm, 16 ymm)
+#else
+constexpr int IDR = 4;
+#endif
 
 #if defined(__AVX2__)
 // Byte pairs (`put4<false>`): step j's byte of output c holds weights j and j + 16 of its group. A
@@ -1224,6 +1228,68 @@ __attribute__((noinline)) void int8_pair_rows(const int8_t* xp, const float* xd,
     }
     for (int r = 0; r < R; ++r) out.store(r, y + r * ldy + first * TILE, valid - first * TILE);
 }
+
+// Q6_K (`Q6_K_`: a step pair's four 6-bit quants of an output in its three bytes) puts each
+// output's quants in the bytes (q[2p], q[2p + 1], q[2p + 16], q[2p + 17]) of a 32-bit lane (five
+// integer operations for 16 outputs), and takes the lo and hi halves' sums (each with its own
+// scale) as two dot products with x's (x[2p], x[2p + 1], 0, 0) and (0, 0, x[2p + 16], x[2p + 17])
+// (`q6_x`): one `vpdpbusd` each with VNNI, else `vpmaddubsw` then `vpmaddwd` (`dot4`).
+// int8 x (M, K) in `quantize_rows`'s order -> per group and step pair p those two quads: (M, 2 K).
+void q6_x(const int8_t* q, int64_t M, int64_t K, int8_t* out) {
+    for (int64_t i = 0; i < M * (K / 32); ++i, q += 32)
+        for (int p = 0; p < 8; ++p, out += 8) {
+            std::memset(out, 0, 8);
+            out[0] = q[2 * p], out[1] = q[2 * p + 1], out[6] = q[2 * p + 16], out[7] = q[2 * p + 17];
+        }
+}
+
+inline W8 w8_of(VI a) {  // 16 lanes of four bytes, as `dot4` takes weights
+#if defined(__AVX512F__)
+    return {a.v};
+#else
+    return {a.lo, a.hi};
+#endif
+}
+
+// R rows of int8 x (x8: `q6_x`; scales xd (R, K/32); float half sums xs (R, K/16)) over tile
+// `first` of a unit of Q6_K.
+template <class F, int R>
+__attribute__((noinline)) void int8_q6_rows(const int8_t* x8, const float* xd, const float* xs, int64_t K,
+                                            const uint8_t* unit, int first, float* y, int64_t ldy, int valid) {
+    constexpr int groups = F::weights / 32;
+    Sums<R, 1> out;
+    for (int64_t b = 0; b < K / F::weights; ++b) {
+        prefetch_ahead<F>(unit + 2 * b * F::packed, 2 * F::packed);
+        const uint8_t* block = unit + (2 * b + first) * F::packed;
+        for (int i = 0; i < groups; ++i) {
+            const typename F::Group grp = F::group(block, i);
+            const int64_t g = b * groups + i;
+            VI lo[R], hi[R];
+            for (int r = 0; r < R; ++r) lo[r] = hi[r] = zero_i();
+#pragma GCC unroll 8
+            for (int p = 0; p < 8; ++p) {
+                const VI v = u24_lanes(grp.q + 48 * p);  // q[2p] | q[2p + 16] << 6 | q[2p + 1] << 12 | q[2p + 17] << 18
+                const W8 w = w8_of(or_(or_(and_(v, 0x3F), and_(shr(v, 4), 0x3F00)),
+                                       or_(and_(shl(v, 10), 0x3F0000), and_(shl(v, 6), 0x3F000000))));
+                for (int r = 0; r < R; ++r) {
+                    const int8_t* xr = x8 + r * 2 * K + 64 * g + 8 * p;
+                    lo[r] = dot4(lo[r], w, bcast4(xr));
+                    hi[r] = dot4(hi[r], w, bcast4(xr + 4));
+                }
+            }
+            for (int r = 0; r < R; ++r) {  // `int8_rows`'s floats, in its order
+                const V d = set1(xd[r * (K / 32) + g]);
+                const float x_lo = xs[r * (K / 16) + 2 * g], x_hi = xs[r * (K / 16) + 2 * g + 1];
+                V o = out.get(r, 0);
+                o = fma(grp.a_lo, mul(to_float(lo[r]), d), o);
+                o = fma(grp.a_hi, mul(to_float(hi[r]), d), o);
+                o = fma(grp.b_lo, set1(x_lo), o);
+                out.set(r, 0, fma(grp.b_hi, set1(x_hi), o));
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) out.store(r, y + r * ldy + first * TILE, valid - first * TILE);
+}
 #endif
 
 #if defined(__AVX512F__)
@@ -1284,9 +1350,11 @@ __attribute__((noinline)) void int8_word_rows(const int8_t* xq, const float* xd,
 // bytes a weight as F's rows read it (`int8_x`: X8<F> of them), and R rows over a unit.
 #if defined(__AVX2__)
 template <class F>
-constexpr bool INT8_DECODES = F::bits == 4 && F::uniform;  // Q4_0, Q4_1, Q4_K
+constexpr bool Q6 = F::bits == 6 && !F::uniform;
 template <class F>
-constexpr int64_t X8 = INT8_WORDS<F> || VNNI ? 1 : 8;
+constexpr bool INT8_DECODES = (F::bits == 4 && F::uniform) || Q6<F>;  // Q4_0, Q4_1, Q4_K; Q6_K
+template <class F>
+constexpr int64_t X8 = Q6<F> ? 2 : INT8_WORDS<F> || VNNI ? 1 : 8;
 template <class F>
 void int8_x(const float* x, int64_t M, int64_t K, int8_t* xq, float* d) {
     if constexpr (INT8_WORDS<F>) {
@@ -1294,7 +1362,7 @@ void int8_x(const float* x, int64_t M, int64_t K, int8_t* xq, float* d) {
     } else {
         std::vector<int8_t> q(size_t(M * K));
         quantize_rows(x, M, K, q.data(), d);
-        (VNNI ? quad_x : pair_x)(q.data(), M, K, xq);
+        (Q6<F> ? q6_x : VNNI ? quad_x : pair_x)(q.data(), M, K, xq);
     }
 }
 template <class F, int R>
@@ -1306,7 +1374,13 @@ void int8_unit_rows(const int8_t* xq, const float* xd, const float* xs, int64_t 
         return;
     }
 #endif
-    for (int first = 0; first < 2; ++first) int8_pair_rows<F, R>(xq, xd, xs, K, unit, first, y, ldy, valid);
+    for (int first = 0; first < 2; ++first) {
+        if constexpr (Q6<F>) {
+            int8_q6_rows<F, R>(xq, xd, xs, K, unit, first, y, ldy, valid);
+        } else {
+            int8_pair_rows<F, R>(xq, xd, xs, K, unit, first, y, ldy, valid);
+        }
+    }
 }
 #else  // the float decoding rows (the declarations only name what is never called here)
 template <class F>
@@ -1529,8 +1603,8 @@ void specdecode_pair_tiles(int on) { pair_tiles = on != 0; }
 
 // y[m * ldy + n] for the N rows of packed W, with the arithmetic of decoding rows (`prefill` 0:
 // each row's result the same in any batch), of prefill rows (1), of a draft's prefill rows (2:
-// int8 activations, approximate) or of a draft's decoding rows (3: int8 for Q4_0 and Q4_1 on
-// AVX-512 and AVX2, else 0's). 0 when done; 1: a format this file does not read; 2: K not a whole
+// int8 activations, approximate) or of a draft's decoding rows (3: int8 for Q4_0, Q4_1, Q4_K and
+// Q6_K on AVX-512 and AVX2, else 0's). 0 when done; 1: a format this file does not read; 2: K not a whole
 // number of blocks; 3: an unknown `prefill`.
 int specdecode_qmm(int format, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                    float* y, int64_t ldy, int threads, int prefill) {
