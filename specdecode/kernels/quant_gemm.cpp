@@ -1166,8 +1166,8 @@ inline VI int32_lanes(__m256i lo, __m256i hi) { return {_mm512_inserti64x4(_mm51
 inline VI int32_lanes(__m256i lo, __m256i hi) { return {lo, hi}; }
 #endif
 
-// R rows of int8 x (xp: `pair_x`; scales xd (R, K/32); float half sums xs (R, K/16)) over tile
-// `first` of a unit of F's byte pairs, group by group (a block's groups: `F::group`).
+// R rows of int8 x (xp: `quad_x` with VNNI, else `pair_x`; scales xd (R, K/32); float half sums xs
+// (R, K/16)) over tile `first` of a unit of F's byte pairs, group by group (`F::group`).
 template <class F, int R>
 __attribute__((noinline)) void int8_pair_rows(const int8_t* xp, const float* xd, const float* xs, int64_t K,
                                               const uint8_t* unit, int first, float* y, int64_t ldy, int valid) {
