@@ -1166,66 +1166,71 @@ inline VI int32_lanes(__m256i lo, __m256i hi) { return {_mm512_inserti64x4(_mm51
 inline VI int32_lanes(__m256i lo, __m256i hi) { return {lo, hi}; }
 #endif
 
+// f(group, g) for each group of tile `first` of a unit in order (g: its index along K), the
+// unit's blocks asked for ahead.
+template <class F, class Fn>
+inline void tile_groups(const uint8_t* unit, int64_t K, int first, Fn&& f) {
+    constexpr int groups = F::weights / 32;
+    for (int64_t b = 0; b < K / F::weights; ++b) {
+        prefetch_ahead<F>(unit + 2 * b * F::packed, 2 * F::packed);
+        const uint8_t* block = unit + (2 * b + first) * F::packed;
+        for (int i = 0; i < groups; ++i) f(F::group(block, i), b * groups + i);
+    }
+}
+
 // R rows of int8 x (xp: `quad_x` with VNNI, else `pair_x`; scales xd (R, K/32); float half sums xs
 // (R, K/16)) over tile `first` of a unit of F's byte pairs, group by group (`F::group`).
 template <class F, int R>
 __attribute__((noinline)) void int8_pair_rows(const int8_t* xp, const float* xd, const float* xs, int64_t K,
                                               const uint8_t* unit, int first, float* y, int64_t ldy, int valid) {
-    constexpr int groups = F::weights / 32;
     const __m256i low = _mm256_set1_epi8(0x0F);
     Sums<R, 1> out;
-    for (int64_t b = 0; b < K / F::weights; ++b) {
-        prefetch_ahead<F>(unit + 2 * b * F::packed, 2 * F::packed);
-        const uint8_t* block = unit + (2 * b + first) * F::packed;
-        for (int i = 0; i < groups; ++i) {
-            const typename F::Group grp = F::group(block, i);
-            const int64_t g = b * groups + i;
-            // VNNI: int32, outputs 0-3 and 8-11, 4-7 and 12-15; else int16: outputs 0-7 and 8-15,
-            // even steps in the low half, odd in the high
-            __m256i acc[R][2];
-            for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    tile_groups<F>(unit, K, first, [&](const typename F::Group& grp, int64_t g) {
+        // VNNI: int32, outputs 0-3 and 8-11, 4-7 and 12-15; else int16: outputs 0-7 and 8-15,
+        // even steps in the low half, odd in the high
+        __m256i acc[R][2];
+        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-            for (int p = 0; p < 8; ++p) {
-                __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp.q + 32 * p));
+        for (int p = 0; p < 8; ++p) {
+            __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp.q + 32 * p));
 #if defined(__AVX512VNNI__)
-                v = _mm256_permute4x64_epi64(v, 0xD8);  // per half: 8 outputs' bytes of step 2p, then 2p + 1
-                const __m256i l = _mm256_and_si256(v, low), h = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                const __m256i even = _mm256_unpacklo_epi8(l, h), odd = _mm256_unpackhi_epi8(l, h);
-                const __m256i u[2] = {_mm256_unpacklo_epi16(even, odd), _mm256_unpackhi_epi16(even, odd)};
-                for (int r = 0; r < R; ++r) {
-                    int32_t quad;
-                    std::memcpy(&quad, xp + r * K + 32 * g + 4 * p, 4);
-                    const __m256i x = _mm256_set1_epi32(quad);
-                    for (int c = 0; c < 2; ++c) acc[r][c] = _mm256_dpbusd_epi32(acc[r][c], u[c], x);
-                }
-#else
-                const __m256i l = _mm256_and_si256(v, low), h = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                const __m256i u[2] = {_mm256_unpacklo_epi8(l, h), _mm256_unpackhi_epi8(l, h)};
-                for (int r = 0; r < R; ++r) {
-                    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + r * 8 * K + 256 * g + 32 * p));
-                    for (int c = 0; c < 2; ++c) acc[r][c] = _mm256_add_epi16(acc[r][c], _mm256_maddubs_epi16(u[c], x));
-                }
-#endif
-            }
+            v = _mm256_permute4x64_epi64(v, 0xD8);  // per half: 8 outputs' bytes of step 2p, then 2p + 1
+            const __m256i l = _mm256_and_si256(v, low), h = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            const __m256i even = _mm256_unpacklo_epi8(l, h), odd = _mm256_unpackhi_epi8(l, h);
+            const __m256i u[2] = {_mm256_unpacklo_epi16(even, odd), _mm256_unpackhi_epi16(even, odd)};
             for (int r = 0; r < R; ++r) {
-                __m256i half[2];
-#if defined(__AVX512VNNI__)
-                half[0] = _mm256_permute2x128_si256(acc[r][0], acc[r][1], 0x20);
-                half[1] = _mm256_permute2x128_si256(acc[r][0], acc[r][1], 0x31);
-#else
-                for (int c = 0; c < 2; ++c)
-                    half[c] = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[r][c])),
-                                               _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[r][c], 1)));
-#endif
-                const VI sum = int32_lanes(half[0], half[1]);
-                const V d = set1(xd[r * (K / 32) + g]);
-                const float x_lo = xs[r * (K / 16) + 2 * g], x_hi = xs[r * (K / 16) + 2 * g + 1];
-                V o = out.get(r, 0);
-                o = fma(grp.a_lo, mul(to_float(sum), d), o);
-                out.set(r, 0, fma(grp.b_lo, set1(x_lo + x_hi), o));
+                int32_t quad;
+                std::memcpy(&quad, xp + r * K + 32 * g + 4 * p, 4);
+                const __m256i x = _mm256_set1_epi32(quad);
+                for (int c = 0; c < 2; ++c) acc[r][c] = _mm256_dpbusd_epi32(acc[r][c], u[c], x);
             }
+#else
+            const __m256i l = _mm256_and_si256(v, low), h = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            const __m256i u[2] = {_mm256_unpacklo_epi8(l, h), _mm256_unpackhi_epi8(l, h)};
+            for (int r = 0; r < R; ++r) {
+                const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + r * 8 * K + 256 * g + 32 * p));
+                for (int c = 0; c < 2; ++c) acc[r][c] = _mm256_add_epi16(acc[r][c], _mm256_maddubs_epi16(u[c], x));
+            }
+#endif
         }
-    }
+        for (int r = 0; r < R; ++r) {
+            __m256i half[2];
+#if defined(__AVX512VNNI__)
+            half[0] = _mm256_permute2x128_si256(acc[r][0], acc[r][1], 0x20);
+            half[1] = _mm256_permute2x128_si256(acc[r][0], acc[r][1], 0x31);
+#else
+            for (int c = 0; c < 2; ++c)
+                half[c] = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[r][c])),
+                                           _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[r][c], 1)));
+#endif
+            const VI sum = int32_lanes(half[0], half[1]);
+            const V d = set1(xd[r * (K / 32) + g]);
+            const float x_lo = xs[r * (K / 16) + 2 * g], x_hi = xs[r * (K / 16) + 2 * g + 1];
+            V o = out.get(r, 0);
+            o = fma(grp.a_lo, mul(to_float(sum), d), o);
+            out.set(r, 0, fma(grp.b_lo, set1(x_lo + x_hi), o));
+        }
+    });
     for (int r = 0; r < R; ++r) out.store(r, y + r * ldy + first * TILE, valid - first * TILE);
 }
 
@@ -1256,38 +1261,31 @@ inline W8 w8_of(VI a) {  // 16 lanes of four bytes, as `dot4` takes weights
 template <class F, int R>
 __attribute__((noinline)) void int8_q6_rows(const int8_t* x8, const float* xd, const float* xs, int64_t K,
                                             const uint8_t* unit, int first, float* y, int64_t ldy, int valid) {
-    constexpr int groups = F::weights / 32;
     Sums<R, 1> out;
-    for (int64_t b = 0; b < K / F::weights; ++b) {
-        prefetch_ahead<F>(unit + 2 * b * F::packed, 2 * F::packed);
-        const uint8_t* block = unit + (2 * b + first) * F::packed;
-        for (int i = 0; i < groups; ++i) {
-            const typename F::Group grp = F::group(block, i);
-            const int64_t g = b * groups + i;
-            VI lo[R], hi[R];
-            for (int r = 0; r < R; ++r) lo[r] = hi[r] = zero_i();
+    tile_groups<F>(unit, K, first, [&](const typename F::Group& grp, int64_t g) {
+        VI lo[R], hi[R];
+        for (int r = 0; r < R; ++r) lo[r] = hi[r] = zero_i();
 #pragma GCC unroll 8
-            for (int p = 0; p < 8; ++p) {
-                const VI v = u24_lanes(grp.q + 48 * p);  // q[2p] | q[2p + 16] << 6 | q[2p + 1] << 12 | q[2p + 17] << 18
-                const W8 w = w8_of(or_(or_(and_(v, 0x3F), and_(shr(v, 4), 0x3F00)),
-                                       or_(and_(shl(v, 10), 0x3F0000), and_(shl(v, 6), 0x3F000000))));
-                for (int r = 0; r < R; ++r) {
-                    const int8_t* xr = x8 + r * 2 * K + 64 * g + 8 * p;
-                    lo[r] = dot4(lo[r], w, bcast4(xr));
-                    hi[r] = dot4(hi[r], w, bcast4(xr + 4));
-                }
-            }
-            for (int r = 0; r < R; ++r) {  // `int8_rows`'s floats, in its order
-                const V d = set1(xd[r * (K / 32) + g]);
-                const float x_lo = xs[r * (K / 16) + 2 * g], x_hi = xs[r * (K / 16) + 2 * g + 1];
-                V o = out.get(r, 0);
-                o = fma(grp.a_lo, mul(to_float(lo[r]), d), o);
-                o = fma(grp.a_hi, mul(to_float(hi[r]), d), o);
-                o = fma(grp.b_lo, set1(x_lo), o);
-                out.set(r, 0, fma(grp.b_hi, set1(x_hi), o));
+        for (int p = 0; p < 8; ++p) {
+            const VI v = u24_lanes(grp.q + 48 * p);  // q[2p] | q[2p + 16] << 6 | q[2p + 1] << 12 | q[2p + 17] << 18
+            const W8 w = w8_of(or_(or_(and_(v, 0x3F), and_(shr(v, 4), 0x3F00)),
+                                   or_(and_(shl(v, 10), 0x3F0000), and_(shl(v, 6), 0x3F000000))));
+            for (int r = 0; r < R; ++r) {
+                const int8_t* xr = x8 + r * 2 * K + 64 * g + 8 * p;
+                lo[r] = dot4(lo[r], w, bcast4(xr));
+                hi[r] = dot4(hi[r], w, bcast4(xr + 4));
             }
         }
-    }
+        for (int r = 0; r < R; ++r) {  // `int8_rows`'s floats, in its order
+            const V d = set1(xd[r * (K / 32) + g]);
+            const float x_lo = xs[r * (K / 16) + 2 * g], x_hi = xs[r * (K / 16) + 2 * g + 1];
+            V o = out.get(r, 0);
+            o = fma(grp.a_lo, mul(to_float(lo[r]), d), o);
+            o = fma(grp.a_hi, mul(to_float(hi[r]), d), o);
+            o = fma(grp.b_lo, set1(x_lo), o);
+            out.set(r, 0, fma(grp.b_hi, set1(x_hi), o));
+        }
+    });
     for (int r = 0; r < R; ++r) out.store(r, y + r * ldy + first * TILE, valid - first * TILE);
 }
 #endif
