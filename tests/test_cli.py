@@ -137,11 +137,12 @@ def test_spec_bench_categories_may_name_an_mt_bench_sub_category(tmp_path: Path)
 
 
 def test_spec_bench_can_turn_the_load_policy_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`specdecode bench --no-policy` times every step drafting its method's whole proposal."""
+    """`specdecode bench --no-policy` times every step drafting its method's whole proposal;
+    `--activations int8` reaches the LLM."""
     import argparse
 
     from specdecode.bench import specbench
-    from specdecode.cli import add_model_args
+    from specdecode.cli import add_activations_arg, add_model_args
 
     made: list[dict[str, object]] = []
 
@@ -153,13 +154,15 @@ def test_spec_bench_can_turn_the_load_policy_off(monkeypatch: pytest.MonkeyPatch
         raise Stop
 
     monkeypatch.setattr(specbench, "LLM", fake_llm)
-    for flags, want in (([], True), (["--no-policy"], False)):
+    for flags, want in (([], True), (["--no-policy"], False), (["--activations", "int8"], True)):
         parser = argparse.ArgumentParser()
         add_model_args(parser)
+        add_activations_arg(parser)  # as the CLI registers `bench`
         specbench.add_args(parser)
         with pytest.raises(Stop):
             specbench.main_args(parser.parse_args(["--model", "tiny", "--method", "prompt_lookup", *flags]))
         assert made[-1]["speculation_policy"] is want
+        assert made[-1]["activations"] == ("int8" if "int8" in flags else "float32")
 
 
 def test_spec_bench_reports_decoding_apart_from_prefill(
