@@ -638,6 +638,22 @@ inline V apply(const lanes_group& g, V s_lo, V s_hi, float x_lo, float x_hi, V a
     return fma(g.b_hi, set1(x_hi), acc);
 }
 
+// The same for int8 rows: group g's int32 sums of x q (the whole group's in s_lo where `uniform`)
+// scaled by row r's x scale (xd (R, K/32)), its half sums of float x from xs (R, K/16). The one
+// arithmetic of every int8 path (prompt rows, decoding rows read from words, byte pairs or Q6_K's
+// quads: the words' rows write it out), so that they give the same bits.
+template <bool uniform>
+inline V apply_int8(const lanes_group& sc, VI s_lo, VI s_hi, const float* xd, const float* xs, int64_t K, int r,
+                    int64_t g, V acc) {
+    const V d = set1(xd[r * (K / 32) + g]);
+    const float x_lo = xs[r * (K / 16) + 2 * g], x_hi = xs[r * (K / 16) + 2 * g + 1];
+    acc = fma(sc.a_lo, mul(to_float(s_lo), d), acc);
+    if constexpr (uniform) return fma(sc.b_lo, set1(x_lo + x_hi), acc);
+    acc = fma(sc.a_hi, mul(to_float(s_hi), d), acc);
+    acc = fma(sc.b_lo, set1(x_lo), acc);
+    return fma(sc.b_hi, set1(x_hi), acc);
+}
+
 // R rows of x (R, K) over C tiles of a unit from tile `first` (0, or 1 when C is 1), their quants
 // decoded in registers, each step used by every row.
 template <class F, int R, int C>
@@ -1035,20 +1051,10 @@ __attribute__((noinline)) void int8_rows(const int8_t* xq, const float* xd, cons
             group_dots<R, 4, 8, L>(t, x4, hi);
         }
         for (int c = 0; c < 2; ++c) {
-            const float* sc = reinterpret_cast<const float*>(w + c * I8_TILE);
-            for (int r = 0; r < R; ++r) {
-                const V d = set1(xd[r * (K / 32) + g]);
-                const float x_lo = xs[r * (K / 16) + 2 * g], x_hi = xs[r * (K / 16) + 2 * g + 1];
-                if constexpr (uniform) {
-                    out[r][c] = fma(loadv(sc), mul(to_float(lo[r][c]), d), out[r][c]);
-                    out[r][c] = fma(loadv(sc + 2 * TILE), set1(x_lo + x_hi), out[r][c]);
-                } else {
-                    out[r][c] = fma(loadv(sc), mul(to_float(lo[r][c]), d), out[r][c]);
-                    out[r][c] = fma(loadv(sc + TILE), mul(to_float(hi[r][c]), d), out[r][c]);
-                    out[r][c] = fma(loadv(sc + 2 * TILE), set1(x_lo), out[r][c]);
-                    out[r][c] = fma(loadv(sc + 3 * TILE), set1(x_hi), out[r][c]);
-                }
-            }
+            const float* f = reinterpret_cast<const float*>(w + c * I8_TILE);
+            const lanes_group sc = {loadv(f), loadv(f + TILE), loadv(f + 2 * TILE), loadv(f + 3 * TILE), nullptr};
+            for (int r = 0; r < R; ++r)
+                out[r][c] = apply_int8<uniform>(sc, lo[r][c], hi[r][c], xd, xs, K, r, g, out[r][c]);
         }
     }
     for (int r = 0; r < R; ++r) lanes_store<2>(out[r], y + r * ldy, valid);
@@ -1224,11 +1230,7 @@ __attribute__((noinline)) void int8_pair_rows(const int8_t* xp, const float* xd,
                                            _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[r][c], 1)));
 #endif
             const VI sum = int32_lanes(half[0], half[1]);
-            const V d = set1(xd[r * (K / 32) + g]);
-            const float x_lo = xs[r * (K / 16) + 2 * g], x_hi = xs[r * (K / 16) + 2 * g + 1];
-            V o = out.get(r, 0);
-            o = fma(grp.a_lo, mul(to_float(sum), d), o);
-            out.set(r, 0, fma(grp.b_lo, set1(x_lo + x_hi), o));
+            out.set(r, 0, apply_int8<true>(grp, sum, sum, xd, xs, K, r, g, out.get(r, 0)));
         }
     });
     for (int r = 0; r < R; ++r) out.store(r, y + r * ldy + first * TILE, valid - first * TILE);
@@ -1276,15 +1278,7 @@ __attribute__((noinline)) void int8_q6_rows(const int8_t* x8, const float* xd, c
                 hi[r] = dot4(hi[r], w, bcast4(xr + 4));
             }
         }
-        for (int r = 0; r < R; ++r) {  // `int8_rows`'s floats, in its order
-            const V d = set1(xd[r * (K / 32) + g]);
-            const float x_lo = xs[r * (K / 16) + 2 * g], x_hi = xs[r * (K / 16) + 2 * g + 1];
-            V o = out.get(r, 0);
-            o = fma(grp.a_lo, mul(to_float(lo[r]), d), o);
-            o = fma(grp.a_hi, mul(to_float(hi[r]), d), o);
-            o = fma(grp.b_lo, set1(x_lo), o);
-            out.set(r, 0, fma(grp.b_hi, set1(x_hi), o));
-        }
+        for (int r = 0; r < R; ++r) out.set(r, 0, apply_int8<false>(grp, lo[r], hi[r], xd, xs, K, r, g, out.get(r, 0)));
     });
     for (int r = 0; r < R; ++r) out.store(r, y + r * ldy + first * TILE, valid - first * TILE);
 }
@@ -1329,7 +1323,7 @@ __attribute__((noinline)) void int8_word_rows(const int8_t* xq, const float* xd,
         }
         for (int c = 0; c < 2; ++c) {
             const typename F::Group grp = F::group(block + c * F::packed, 0);
-            for (int r = 0; r < R; ++r) {
+            for (int r = 0; r < R; ++r) {  // `apply_int8<true>`, written out: through it one row was ~4% slower
                 const V d = set1(xd[r * (K / 32) + g]);
                 const float x_lo = xs[r * (K / 16) + 2 * g], x_hi = xs[r * (K / 16) + 2 * g + 1];
                 VI sum = acc[r][c][0];
