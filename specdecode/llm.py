@@ -57,7 +57,7 @@ class LLM:
     dtype. `quantization` ("q4_0", "q4_1", "q5_0", "q8_0") quantizes a float checkpoint's linear
     weights and LM head on load, run as a GGUF's are. `activations` "int8" rounds the inputs of
     those block-format products to int8 per group of 32 where that is faster, as llama.cpp does
-    (faster prompts, and decoding of Q4_0, Q4_1, Q4_K and Q6_K; its own speculative and plain decoding
+    (faster prompts, and decoding of Q4_0, Q4_1, Q4_K, Q6_K and Q8_0; its own speculative and plain decoding
     still agree token for token); "float32", the default, keeps the results those of the
     dequantized weights. `device` defaults to CUDA when available, else CPU. `speculative` is the
     default speculative method for every call (a dictionary such as `{"method":

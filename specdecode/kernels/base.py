@@ -171,7 +171,7 @@ class Kernels:
 
     def int8_activations(self) -> Kernels:
         """These kernels with the quantized products' activations rounded to int8 where that is
-        faster (`QuantKernel.approximate`: prompt rows, and decoding rows of Q4_0, Q4_1, Q4_K, Q6_K):
+        faster (`QuantKernel.approximate`: prompt rows, and decoding rows of Q4_0, Q4_1, Q4_K, Q6_K, Q8_0):
         what a draft model runs on (a draft only proposes; the target's verification keeps output
         exact), and a target where asked (`activations="int8"`, as llama.cpp computes: its own
         plain and speculative decoding still agree, each row's result the same in any batch)."""

@@ -45,7 +45,7 @@ _OPTIONAL = {"avx512": (("avx512_vnni", "-mavx512vnni"),)}
 HEAD_DIMS = (16, 32, 64, 128)  # head sizes the row attention is built for
 # quant_gemm.cpp's arithmetic of a product's rows: a decoding step's (each row's result the same in
 # any batch), a prompt's (float32 activations), a draft's prompt (int8 activations), a draft's
-# decoding step (int8 activations for Q4_0, Q4_1, Q4_K and Q6_K on AVX-512 and AVX2)
+# decoding step (int8 activations for Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 on AVX-512 and AVX2)
 DECODING, EXACT_PREFILL, INT8_PREFILL, INT8_DECODING = 0, 1, 2, 3
 UNIT = 32  # outputs of one unit of quant_gemm.cpp's layouts (32 outputs interleaved block by block)
 

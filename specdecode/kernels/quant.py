@@ -44,7 +44,7 @@ class QuantCPU:
     def approximate(self) -> QuantCPU:
         """These products with their rows read in int8 (see `quant_gemm.cpp`; a draft's, or a
         target's with int8 activations): prompt rows (~2.5x faster prefill with AVX512-VNNI)
-        and, for Q4_0, Q4_1, Q4_K and Q6_K on AVX-512 and AVX2, decoding rows; the others keep
+        and, for Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 on AVX-512 and AVX2, decoding rows; the others keep
         the float decoding rows. The same layout: weights packed for one run on the other."""
         return QuantCPU(self.isa, self._lib, INT8_DECODING, INT8_PREFILL)
 

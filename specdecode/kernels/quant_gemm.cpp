@@ -154,7 +154,9 @@ inline V to_float(VI a) {
 // x, broadcast; dot4 adds the four products of each output to its int32 lane (one instruction with
 // AVX512-VNNI). Without VNNI, `pairs` sums them two by two into int16 (unsigned 6-bit quants by
 // x in [-127, 127]: at most 16002, so that a few pairs' sums may be added in int16 before they are
-// widened), and `widen_add` adds both of an output's pair sums to its int32 lane.
+// widened), and `widen_add` adds both of an output's pair sums to its int32 lane. `dot4s` is
+// dot4 for signed quants (Q8_0's): |q| by x with q's sign, whose pairs (at most 2 x 128 x 127)
+// fit int16 too, the same exact sums.
 inline int32_t word4(const int8_t* x) {  // four int8, as one little-endian word
     int32_t v;
     std::memcpy(&v, x, 4);
@@ -186,6 +188,10 @@ inline VI dot4(VI acc, W8 w, X4 x) { return {_mm512_dpbusd_epi32(acc.v, w.v, x.v
 constexpr bool VNNI = false;
 inline VI dot4(VI acc, W8 w, X4 x) { return widen_add(acc, pairs(w, x)); }
 #endif
+inline VI dot4s(VI acc, W8 w, X4 x) {
+    const __m512i signed_x = _mm512_mask_sub_epi8(x.v, _mm512_movepi8_mask(w.v), _mm512_setzero_si512(), x.v);
+    return dot4(acc, {_mm512_abs_epi8(w.v)}, {signed_x});
+}
 #elif defined(__AVX2__)
 inline VI to_int(V a) { return {_mm256_cvttps_epi32(a.lo), _mm256_cvttps_epi32(a.hi)}; }
 inline VI zero_i() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
@@ -215,6 +221,10 @@ inline VI widen_add(VI acc, P p) {
 }
 constexpr bool VNNI = false;
 inline VI dot4(VI acc, W8 w, X4 x) { return widen_add(acc, pairs(w, x)); }
+inline VI dot4s(VI acc, W8 w, X4 x) {
+    return widen_add(acc, {_mm256_maddubs_epi16(_mm256_abs_epi8(w.lo), _mm256_sign_epi8(x.v, w.lo)),
+                           _mm256_maddubs_epi16(_mm256_abs_epi8(w.hi), _mm256_sign_epi8(x.v, w.hi))});
+}
 #else
 inline VI to_int(V a) {
     VI r;
@@ -253,6 +263,11 @@ inline VI widen_add(VI acc, P p) {
 }
 constexpr bool VNNI = false;
 inline VI dot4(VI acc, W8 w, X4 x) { return widen_add(acc, pairs(w, x)); }
+inline VI dot4s(VI acc, W8 w, X4 x) {
+    for (int j = 0; j < 16; ++j)
+        for (int i = 0; i < 4; ++i) acc.i[j] += int8_t(w.b[4 * j + i]) * x.b[i];
+    return acc;
+}
 #endif
 
 #if !defined(__AVX2__)
@@ -958,8 +973,8 @@ void prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int
 // rounded to int8 per group of 32 (scale max|x| / 127, as llama.cpp's Q8_0), and each group's
 // x·q summed exactly in int32 over unsigned quants (one VNNI instruction for 4 weights of 16
 // outputs, against 4 float multiply-adds), then scaled once: y = sum over groups of
-// a (dx sum x8 q) + b sum x, the second with the row's own float sums. Formats of 6-bit quants or
-// fewer (Q8_0's signed ones take the float prefill instead). A unit is decoded into scratch as
+// a (dx sum x8 q) + b sum x, the second with the row's own float sums. Every format: Q8_0's signed
+// quants through `dot4s`. A unit is decoded into scratch as
 // bytes: per group and tile, its scales (a_lo, a_hi, b_lo, b_hi: 64 floats), then 8 steps of
 // 4 weights (k = 32 g + 4 s + i) of the 16 outputs, output c's at 4c.
 constexpr int64_t I8_TILE = 64 * 4 + 8 * 64;  // bytes of a group and tile
@@ -989,7 +1004,7 @@ void bytes_unit(const uint8_t* unit, int64_t K, uint8_t* w) {
             for (int j = 0; j < 16; ++j) {  // steps 4s .. 4s + 3 are bytes 0..3 of step s (lo) and 4 + s (hi)
                 V l, h;
                 F::quants(*g, j, l, h);
-                const VI li = shl(to_int(l), 8 * (j % 4)), hi_ = shl(to_int(h), 8 * (j % 4));
+                const VI li = shl(and_(to_int(l), 0xFF), 8 * (j % 4)), hi_ = shl(and_(to_int(h), 0xFF), 8 * (j % 4));
                 lo[j % 4] = j % 4 ? or_(lo[j % 4 - 1], li) : li;
                 hi[j % 4] = j % 4 ? or_(hi[j % 4 - 1], hi_) : hi_;
                 if (j % 4 == 3) {
@@ -1003,15 +1018,16 @@ void bytes_unit(const uint8_t* unit, int64_t K, uint8_t* w) {
 }
 
 // Steps [S0, S1) of a group of both tiles (t: their quant bytes) for R rows (x4: each row's group
-// of int8 x), added to acc. Without VNNI, L steps' pair sums are added in int16 before widening.
-template <int R, int S0, int S1, int L>
+// of int8 x), added to acc. Without VNNI, L steps' pair sums are added in int16 before widening
+// (signed quants: L is 1).
+template <int R, int S0, int S1, int L, bool sgn = false>
 inline void group_dots(const uint8_t* const (&t)[2], const int8_t* const (&x4)[R], VI (&acc)[R][2]) {
-    if constexpr (VNNI) {
+    if constexpr (VNNI || sgn) {
         for (int s = S0; s < S1; ++s) {
             const W8 w[2] = {load_w8(t[0] + 64 * s), load_w8(t[1] + 64 * s)};
             for (int r = 0; r < R; ++r) {
                 const X4 x = bcast4(x4[r] + 4 * s);
-                for (int c = 0; c < 2; ++c) acc[r][c] = dot4(acc[r][c], w[c], x);
+                for (int c = 0; c < 2; ++c) acc[r][c] = sgn ? dot4s(acc[r][c], w[c], x) : dot4(acc[r][c], w[c], x);
             }
         }
     } else {
@@ -1031,8 +1047,9 @@ inline void group_dots(const uint8_t* const (&t)[2], const int8_t* const (&x4)[R
 }
 
 // R rows of int8 x (xq (R, K), scales xd (R, K/32), float half sums xs (R, K/16)) over a unit
-// decoded by `bytes_unit`. L: steps whose int16 pair sums fit together (8 for 4-bit quants).
-template <int R, bool uniform, int L>
+// decoded by `bytes_unit`. L: steps whose int16 pair sums fit together (8 for 4-bit quants); sgn:
+// signed quants (Q8_0).
+template <int R, bool uniform, int L, bool sgn>
 __attribute__((noinline)) void int8_rows(const int8_t* xq, const float* xd, const float* xs, int64_t K,
                                          const uint8_t* w, float* y, int64_t ldy, int valid) {
     V out[R][2];
@@ -1045,7 +1062,7 @@ __attribute__((noinline)) void int8_rows(const int8_t* xq, const float* xd, cons
         for (int r = 0; r < R; ++r)
             for (int c = 0; c < 2; ++c) lo[r][c] = hi[r][c] = zero_i();
         if constexpr (uniform) {
-            group_dots<R, 0, 8, L>(t, x4, lo);
+            group_dots<R, 0, 8, L, sgn>(t, x4, lo);
         } else {
             group_dots<R, 0, 4, L>(t, x4, lo);
             group_dots<R, 4, 8, L>(t, x4, hi);
@@ -1071,31 +1088,28 @@ constexpr int IR = 1;
 template <class F>
 void int8_prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y,
                           int64_t ldy, int threads) {
-    if constexpr (F::bits > 6) {
-        prefill_product<F>(x, M, K, w, N, y, ldy, threads);
-    } else {
-        constexpr int L = 8 >> (F::bits - 4);  // 4 bits: 8 x 3810 < 2^15; 5: 4 x 7874; 6: 2 x 16002
-        const int64_t unit_bytes = 2 * (K / F::weights) * F::packed;
-        const int64_t units = (N + UNIT - 1) / UNIT;
-        std::vector<int8_t> xq(size_t(M * K));
-        std::vector<float> xd(size_t(M * (K / 32))), xs(size_t(M * (K / 16)));
-        quantize_rows(x, M, K, xq.data(), xd.data());
-        half_sums(x, M, K, xs.data());
+    constexpr bool sgn = F::bits == 8;  // Q8_0
+    constexpr int L = sgn ? 1 : 8 >> (F::bits - 4);  // 4 bits: 8 x 3810 < 2^15; 5: 4 x 7874; 6: 2 x 16002
+    const int64_t unit_bytes = 2 * (K / F::weights) * F::packed;
+    const int64_t units = (N + UNIT - 1) / UNIT;
+    std::vector<int8_t> xq(size_t(M * K));
+    std::vector<float> xd(size_t(M * (K / 32))), xs(size_t(M * (K / 16)));
+    quantize_rows(x, M, K, xq.data(), xd.data());
+    half_sums(x, M, K, xs.data());
 #pragma omp parallel num_threads(threads)
-        {
-            std::vector<uint8_t> scratch(size_t(K / 32 * 2 * I8_TILE));
-            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-            for (int64_t u = units * t / nt; u < units * (t + 1) / nt; ++u) {
-                const int64_t n0 = u * UNIT;
-                const int valid = int(N - n0 < UNIT ? N - n0 : UNIT);
-                bytes_unit<F>(w + u * unit_bytes, K, scratch.data());
-                int64_t r0 = 0;
-                by_rows<IR>(M, [&]<int R>() {
-                    int8_rows<R, F::uniform, L>(xq.data() + r0 * K, xd.data() + r0 * (K / 32), xs.data() + r0 * (K / 16),
-                                                K, scratch.data(), y + r0 * ldy + n0, ldy, valid);
-                    r0 += R;
-                });
-            }
+    {
+        std::vector<uint8_t> scratch(size_t(K / 32 * 2 * I8_TILE));
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (int64_t u = units * t / nt; u < units * (t + 1) / nt; ++u) {
+            const int64_t n0 = u * UNIT;
+            const int valid = int(N - n0 < UNIT ? N - n0 : UNIT);
+            bytes_unit<F>(w + u * unit_bytes, K, scratch.data());
+            int64_t r0 = 0;
+            by_rows<IR>(M, [&]<int R>() {
+                int8_rows<R, F::uniform, L, sgn>(xq.data() + r0 * K, xd.data() + r0 * (K / 32), xs.data() + r0 * (K / 16),
+                                            K, scratch.data(), y + r0 * ldy + n0, ldy, valid);
+                r0 += R;
+            });
         }
     }
 }
@@ -1103,16 +1117,16 @@ void int8_prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w
 // ---- decoding rows with int8 activations ----------------------------------------------------------
 // A model run with int8 activations (a draft's, or a target's where asked: `QuantCPU.approximate`)
 // may read its decoding rows (a token, or the few of a verified draft) in int8 too, for the 4-bit
-// formats and Q6_K. Where a format's quants sit in words (Q4_0, Q4_1 on AVX-512: `put4<true>`), a word's
+// formats, Q6_K and Q8_0. Where a format's quants sit in words (Q4_0, Q4_1 on AVX-512: `put4<true>`), a word's
 // eight quants of a run (steps 8i .. 8i + 7 of a half group) are two sets of four bytes with no
 // spreading: its low nibbles (steps 8i + 0, 2, 4, 6) and its high ones (8i + 1, 3, 5, 7), each one
 // VNNI dot product with the row's int8 x in that order (`quantize_words`). A group of a tile is
 // then four loads, six integer operations and eight dot products a row, against 32 shifts and
 // lookups and 32 float multiply-adds a row. Quants in byte pairs (Q4_K everywhere; Q4_0, Q4_1 on
-// AVX2) go through `int8_pair_rows`, Q6_K's through `int8_q6_rows`. The integer sums are those of `int8_rows` and the floats
-// after them the same operations in the same order: the same bits as the int8 prefill rows, in
-// any batch, on AVX-512 and AVX2. Q5_0, Q8_0 and the portable build take the float decoding
-// rows.
+// AVX2) go through `int8_pair_rows`, Q6_K's through `int8_q6_rows`, Q8_0's through `int8_q8_rows`.
+// The integer sums are those of `int8_rows` and the floats after them the same operations in the
+// same order: the same bits as the int8 prefill rows, in any batch, on AVX-512 and AVX2. Q5_0 and
+// the portable build take the float decoding rows.
 template <class F>
 constexpr bool INT8_WORDS = WORDS4 && F::weights == 32 && F::bits == 4;
 
@@ -1282,6 +1296,59 @@ __attribute__((noinline)) void int8_q6_rows(const int8_t* x8, const float* xd, c
     });
     for (int r = 0; r < R; ++r) out.store(r, y + r * ldy + first * TILE, valid - first * TILE);
 }
+
+// Q8_0 (`Q8_0_`: a step's 16 signed quants lo, then its 16 hi) takes a step pair's 64 bytes as two
+// registers, interleaves their bytes (steps 2p and 2p + 1 of an output side by side), then their
+// byte pairs, so that output c's lane holds (q[2p], q[2p + 1], q[2p + 16], q[2p + 17]), outputs 0-7
+// in one register and 8-15 in the other (two unpacks, two permutes and two shuffles for 16
+// outputs), multiplied by x's matching quad (`q8_x`) as `dot4s` does: |q| by x with q's sign.
+// int8 x (M, K) in `quantize_rows`'s order -> per group and step pair p: x[2p], x[2p + 1],
+// x[2p + 16], x[2p + 17] (M, K).
+void q8_x(const int8_t* q, int64_t M, int64_t K, int8_t* out) {
+    for (int64_t i = 0; i < M * (K / 32); ++i, q += 32)
+        for (int p = 0; p < 8; ++p, out += 4)
+            out[0] = q[2 * p], out[1] = q[2 * p + 1], out[2] = q[2 * p + 16], out[3] = q[2 * p + 17];
+}
+
+inline __m256i dot4s(__m256i acc, __m256i w, __m256i x) {  // `dot4s` on 8 lanes
+    const __m256i a = _mm256_abs_epi8(w), sx = _mm256_sign_epi8(x, w);
+#if defined(__AVX512VNNI__)
+    return _mm256_dpbusd_epi32(acc, a, sx);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, sx), _mm256_set1_epi16(1)));
+#endif
+}
+
+// R rows of int8 x (x8: `q8_x`; scales xd (R, K/32); float half sums xs (R, K/16)) over tile
+// `first` of a unit of Q8_0.
+template <class F, int R>
+__attribute__((noinline)) void int8_q8_rows(const int8_t* x8, const float* xd, const float* xs, int64_t K,
+                                            const uint8_t* unit, int first, float* y, int64_t ldy, int valid) {
+    // within each 128-bit half: the byte pairs of outputs 0-3 (steps 2p, 2p + 1, lo) then their hi
+    const __m256i quads = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15, 0, 1, 8, 9, 2, 3,
+                                           10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+    Sums<R, 1> out;
+    tile_groups<F>(unit, K, first, [&](const typename F::Group& grp, int64_t g) {
+        __m256i acc[R][2];  // outputs 0-7, 8-15
+        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int p = 0; p < 8; ++p) {
+            const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp.q + 64 * p));
+            const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp.q + 64 * p + 32));
+            __m256i u[2] = {_mm256_unpacklo_epi8(a, b), _mm256_unpackhi_epi8(a, b)};
+            for (int c = 0; c < 2; ++c) u[c] = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(u[c], 0xD8), quads);
+            for (int r = 0; r < R; ++r) {
+                const __m256i x = _mm256_set1_epi32(word4(x8 + r * K + 32 * g + 4 * p));
+                for (int c = 0; c < 2; ++c) acc[r][c] = dot4s(acc[r][c], u[c], x);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const VI sum = int32_lanes(acc[r][0], acc[r][1]);
+            out.set(r, 0, apply_int8<true>(grp, sum, sum, xd, xs, K, r, g, out.get(r, 0)));
+        }
+    });
+    for (int r = 0; r < R; ++r) out.store(r, y + r * ldy + first * TILE, valid - first * TILE);
+}
 #endif
 
 #if defined(__AVX512F__)
@@ -1344,9 +1411,11 @@ __attribute__((noinline)) void int8_word_rows(const int8_t* xq, const float* xd,
 template <class F>
 constexpr bool Q6 = F::bits == 6 && !F::uniform;
 template <class F>
-constexpr bool INT8_DECODES = (F::bits == 4 && F::uniform) || Q6<F>;  // Q4_0, Q4_1, Q4_K; Q6_K
+constexpr bool Q8 = F::bits == 8;
 template <class F>
-constexpr int64_t X8 = Q6<F> ? 2 : INT8_WORDS<F> || VNNI ? 1 : 8;
+constexpr bool INT8_DECODES = (F::bits == 4 && F::uniform) || Q6<F> || Q8<F>;  // Q4_0, Q4_1, Q4_K; Q6_K; Q8_0
+template <class F>
+constexpr int64_t X8 = Q6<F> ? 2 : INT8_WORDS<F> || Q8<F> || VNNI ? 1 : 8;
 template <class F>
 void int8_x(const float* x, int64_t M, int64_t K, int8_t* xq, float* d) {
     if constexpr (INT8_WORDS<F>) {
@@ -1354,7 +1423,7 @@ void int8_x(const float* x, int64_t M, int64_t K, int8_t* xq, float* d) {
     } else {
         std::vector<int8_t> q(size_t(M * K));
         quantize_rows(x, M, K, q.data(), d);
-        (Q6<F> ? q6_x : VNNI ? quad_x : pair_x)(q.data(), M, K, xq);
+        (Q6<F> ? q6_x : Q8<F> ? q8_x : VNNI ? quad_x : pair_x)(q.data(), M, K, xq);
     }
 }
 template <class F, int R>
@@ -1369,6 +1438,8 @@ void int8_unit_rows(const int8_t* xq, const float* xd, const float* xs, int64_t 
     for (int first = 0; first < 2; ++first) {
         if constexpr (Q6<F>) {
             int8_q6_rows<F, R>(xq, xd, xs, K, unit, first, y, ldy, valid);
+        } else if constexpr (Q8<F>) {
+            int8_q8_rows<F, R>(xq, xd, xs, K, unit, first, y, ldy, valid);
         } else {
             int8_pair_rows<F, R>(xq, xd, xs, K, unit, first, y, ldy, valid);
         }
