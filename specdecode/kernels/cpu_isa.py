@@ -41,7 +41,7 @@ _BUILDS = {  # compiler flags of each instruction set's build
     "generic": (),
 }
 # Used where the CPU has them: AVX512-VNNI's int8 dot products (int8 rows: `quant.py`), and
-# AVX512-VBMI's byte permutes and multishifts (Q6_K's int8 decoding rows).
+# AVX512-VBMI's byte permutes and multishifts (Q4_K's and Q6_K's int8 decoding rows).
 _OPTIONAL = {"avx512": (("avx512_vnni", "-mavx512vnni"), ("avx512vbmi", "-mavx512vbmi"))}
 HEAD_DIMS = (16, 32, 64, 128)  # head sizes the row attention is built for
 # quant_gemm.cpp's arithmetic of a product's rows: a decoding step's (each row's result the same in

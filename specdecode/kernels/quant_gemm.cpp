@@ -1203,8 +1203,31 @@ inline void tile_groups(const uint8_t* unit, int64_t K, int first, Fn&& f) {
 template <class F, int R>
 __attribute__((noinline)) void int8_pair_rows(const int8_t* xp, const float* xd, const float* xs, int64_t K,
                                               const uint8_t* unit, int first, float* y, int64_t ldy, int valid) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
     Sums<R, 1> out;
+#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+    // With AVX512-VBMI a step pair's quads of all 16 outputs, in order, come from one byte permute
+    // (output c's bytes of steps 2p and 2p + 1, each twice) and one multishift (the low nibble of
+    // the first copy, the high of the second): one `vpdpbusd` of 16 lanes a row, no permutes of
+    // the sums (Qwen 1.5B's Q4_K shapes, 2 threads, Zen 4: 5% / 9% / 10% faster at 1 / 2 / 5
+    // rows; its int8 forward of 5 tokens ~6%, in-process A/B).
+    alignas(64) static constexpr uint8_t spread[64] = {
+        0, 0, 16, 16, 1, 1, 17, 17, 2, 2, 18, 18, 3, 3, 19, 19, 4, 4, 20, 20, 5, 5, 21, 21, 6, 6, 22, 22, 7, 7, 23, 23,
+        8, 8, 24, 24, 9, 9, 25, 25, 10, 10, 26, 26, 11, 11, 27, 27, 12, 12, 28, 28, 13, 13, 29, 29, 14, 14, 30, 30, 15, 15, 31, 31};
+    const __m512i index = _mm512_load_si512(spread), low = _mm512_set1_epi8(0x0F);
+    const __m512i shifts = _mm512_set1_epi64(int64_t(0x3C302C201C100C00ull));  // bits 0, 12, 16, 28 of a lane
+    tile_groups<F>(unit, K, first, [&](const typename F::Group& grp, int64_t g) {
+        VI acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = zero_i();
+#pragma GCC unroll 8
+        for (int p = 0; p < 8; ++p) {
+            const __m512i bytes = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp.q + 32 * p)));
+            const __m512i w = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(index, bytes)), low);
+            for (int r = 0; r < R; ++r) acc[r] = {_mm512_dpbusd_epi32(acc[r].v, w, _mm512_set1_epi32(word4(xp + r * K + 32 * g + 4 * p)))};
+        }
+        for (int r = 0; r < R; ++r) out.set(r, 0, apply_int8<true>(grp, acc[r], acc[r], xd, xs, K, r, g, out.get(r, 0)));
+    });
+#else
+    const __m256i low = _mm256_set1_epi8(0x0F);
     tile_groups<F>(unit, K, first, [&](const typename F::Group& grp, int64_t g) {
         // VNNI: int32, outputs 0-3 and 8-11, 4-7 and 12-15; else int16: outputs 0-7 and 8-15,
         // even steps in the low half, odd in the high
@@ -1247,6 +1270,7 @@ __attribute__((noinline)) void int8_pair_rows(const int8_t* xp, const float* xd,
             out.set(r, 0, apply_int8<true>(grp, sum, sum, xd, xs, K, r, g, out.get(r, 0)));
         }
     });
+#endif
     for (int r = 0; r < R; ++r) out.store(r, y + r * ldy + first * TILE, valid - first * TILE);
 }
 
@@ -1695,8 +1719,8 @@ void specdecode_pair_tiles(int on) { pair_tiles = on != 0; }
 
 // y[m * ldy + n] for the N rows of packed W, with the arithmetic of decoding rows (`prefill` 0:
 // each row's result the same in any batch), of prefill rows (1), of a draft's prefill rows (2:
-// int8 activations, approximate) or of a draft's decoding rows (3: int8 for Q4_0, Q4_1, Q4_K and
-// Q6_K on AVX-512 and AVX2, else 0's). 0 when done; 1: a format this file does not read; 2: K not a whole
+// int8 activations, approximate) or of a draft's decoding rows (3: int8 for Q4_0, Q4_1, Q4_K, Q6_K
+// and Q8_0 on AVX-512 and AVX2, else 0's). 0 when done; 1: a format this file does not read; 2: K not a whole
 // number of blocks; 3: an unknown `prefill`.
 int specdecode_qmm(int format, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                    float* y, int64_t ldy, int threads, int prefill) {
