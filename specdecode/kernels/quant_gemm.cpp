@@ -162,6 +162,16 @@ inline int32_t word4(const int8_t* x) {  // four int8, as one little-endian word
     std::memcpy(&v, x, 4);
     return v;
 }
+#if defined(__AVX2__)
+inline __m256i dot4s(__m256i acc, __m256i w, __m256i x) {  // `dot4s` on 8 lanes
+    const __m256i a = _mm256_abs_epi8(w), sx = _mm256_sign_epi8(x, w);
+#if defined(__AVX512VNNI__)
+    return _mm256_dpbusd_epi32(acc, a, sx);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, sx), _mm256_set1_epi16(1)));
+#endif
+}
+#endif
 #if defined(__AVX512F__)
 inline VI to_int(V a) { return {_mm512_cvttps_epi32(a.v)}; }
 inline VI zero_i() { return {_mm512_setzero_si512()}; }
@@ -221,10 +231,7 @@ inline VI widen_add(VI acc, P p) {
 }
 constexpr bool VNNI = false;
 inline VI dot4(VI acc, W8 w, X4 x) { return widen_add(acc, pairs(w, x)); }
-inline VI dot4s(VI acc, W8 w, X4 x) {
-    return widen_add(acc, {_mm256_maddubs_epi16(_mm256_abs_epi8(w.lo), _mm256_sign_epi8(x.v, w.lo)),
-                           _mm256_maddubs_epi16(_mm256_abs_epi8(w.hi), _mm256_sign_epi8(x.v, w.hi))});
-}
+inline VI dot4s(VI acc, W8 w, X4 x) { return {dot4s(acc.lo, w.lo, x.v), dot4s(acc.hi, w.hi, x.v)}; }
 #else
 inline VI to_int(V a) {
     VI r;
@@ -1361,15 +1368,6 @@ void q8_x(const int8_t* q, int64_t M, int64_t K, int8_t* out) {
     for (int64_t i = 0; i < M * (K / 32); ++i, q += 32)
         for (int p = 0; p < 8; ++p, out += 4)
             out[0] = q[2 * p], out[1] = q[2 * p + 1], out[2] = q[2 * p + 16], out[3] = q[2 * p + 17];
-}
-
-inline __m256i dot4s(__m256i acc, __m256i w, __m256i x) {  // `dot4s` on 8 lanes
-    const __m256i a = _mm256_abs_epi8(w), sx = _mm256_sign_epi8(x, w);
-#if defined(__AVX512VNNI__)
-    return _mm256_dpbusd_epi32(acc, a, sx);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, sx), _mm256_set1_epi16(1)));
-#endif
 }
 
 // R rows of int8 x (x8: `q8_x`; scales xd (R, K/32); float half sums xs (R, K/16)) over tile
