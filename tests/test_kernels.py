@@ -210,6 +210,20 @@ def test_attention_kernel_rows_do_not_depend_on_the_batch(isa: str, a: int, b: i
 
 
 @pytest.mark.parametrize("isa", isa_ops())
+@pytest.mark.parametrize(("a", "b"), LENGTHS)
+def test_attention_rows_sharing_their_prefix_give_their_own_bits(isa: str, a: int, b: int) -> None:
+    """A tree's rows share the spans of their common prefix (one task reads its keys once for all
+    of them): each row's result is the bits it has when attended alone."""
+    case = _attention_case(64, seed=7, a=a, b=b)
+    ops = ops_of(isa)
+    together = _run_attention(case, [1, 2, 3, 4], ops)
+    # Alone, a node needs its ancestors' keys in the cache already: write every new key first.
+    case["cache_k"][:, case["new_slots"]], case["cache_v"][:, case["new_slots"]] = case["k"], case["v"]
+    for r in (1, 2, 3, 4):
+        assert torch.equal(_run_attention(case, [r], ops)[r], together[r])
+
+
+@pytest.mark.parametrize("isa", isa_ops())
 def test_attention_asks_ahead_or_not_with_the_same_bits(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Asking for keys and values ahead is the machine's choice (timed when the library loads, or
     forced by SPECDECODE_ATTENTION_PREFETCH): it never changes a result."""

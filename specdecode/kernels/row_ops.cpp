@@ -38,6 +38,10 @@ __attribute__((optimize("fp-contract=off"))) void rotate(const float* __restrict
 // in its scratch and registers).
 constexpr int MAX_GROUP = 16;
 
+// Queries a task attends at once: its heads, for every row that has the same slots over its span
+// (the rows of a verified draft, tree or chain, over their shared prefix).
+constexpr int MAX_QUERIES = 32;
+
 // A row's slots go in spans of SPAN (the last shorter), each span a task of its own: one row alone
 // (decoding a token) then has work for every thread however few its key/value heads, and reads
 // each key and value once for all the heads that share it. The spans depend only on the row's own
@@ -99,11 +103,11 @@ inline int value_sums(int left, const float* vc, const int64_t* idx, int64_t n, 
 template <int NC>
 void attend_span(int G, const float* const* q, const float* __restrict kc, const float* __restrict vc,
                  const int64_t* __restrict idx, int64_t L, int64_t L_all, float scale, float* __restrict s,
-                 V (&o)[MAX_GROUP][NC], float* m_out, float* l_out) {
+                 V (&o)[MAX_QUERIES][NC], float* m_out, float* l_out) {
     constexpr int64_t D = NC * 16;
     const int64_t padded = (L + 15) / 16 * 16;
     const V sc = set1(scale);
-    V top[MAX_GROUP];
+    V top[MAX_QUERIES];
     for (int g = 0; g < G; ++g) top[g] = set1(-INFINITY);
     for (int64_t j0 = 0; j0 < L; j0 += 16) {
         const int64_t n = L - j0 < 16 ? L - j0 : 16;
@@ -152,6 +156,47 @@ void attend_span(int G, const float* const* q, const float* __restrict kc, const
     }
 }
 
+// Rows whose slots over a span are the same share its task (`Span`): each block of keys and
+// values is read once for all of their queries, taken as more heads of the group. Every query's
+// arithmetic is its own, so a row's result is the same bits alone or sharing.
+struct Span {
+    int64_t first, n;  // the span's slots: a row's [first, first + n) of its list
+    int count;         // rows sharing it
+    int32_t rows[MAX_QUERIES];
+};
+
+// Each row's slots in spans of SPAN, a span shared by consecutive rows with the same slots there
+// (at most `max_rows`); part_at: where a row of several spans keeps its partials (-1: one span).
+inline std::vector<Span> shared_spans(const int64_t* row_ptr, const int64_t* idx, int64_t n_rows, int max_rows,
+                                      int64_t Hq, std::vector<int64_t>& part_at, int64_t& parts) {
+    std::vector<Span> spans;
+    std::vector<int64_t> open;  // per span index: the latest span there, which a next row may share
+    parts = 0;
+    for (int64_t r = 0; r < n_rows; ++r) {
+        const int64_t L = row_ptr[r + 1] - row_ptr[r];
+        for (int64_t j = 0, s = 0; j < L; j += SPAN, ++s) {
+            const int64_t n = std::min(SPAN, L - j);
+            if (size_t(s) == open.size()) open.push_back(-1);
+            const int64_t at = open[size_t(s)];
+            if (at >= 0) {
+                Span& sp = spans[size_t(at)];
+                const int64_t* mine = idx + row_ptr[r] + j;
+                const int64_t* theirs = idx + row_ptr[sp.rows[0]] + j;
+                if (sp.n == n && sp.count < max_rows && std::equal(mine, mine + n, theirs)) {
+                    sp.rows[sp.count++] = int32_t(r);
+                    continue;
+                }
+            }
+            open[size_t(s)] = int64_t(spans.size());
+            Span sp{j, n, 1, {}};
+            sp.rows[0] = int32_t(r);
+            spans.push_back(sp);
+        }
+        if (L > SPAN) part_at[size_t(r)] = parts, parts += (L + SPAN - 1) / SPAN * Hq;
+    }
+    return spans;
+}
+
 template <int NC>
 void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, int64_t k_sh, int64_t k_st,
                  const float* vn, int64_t v_sh, int64_t v_st, float* kc, float* vc, int64_t c_sh, const int64_t* rows,
@@ -163,15 +208,10 @@ void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, in
     int64_t per = group;  // heads a task: the whole group where it fits the task's registers
     while (per > MAX_GROUP || group % per) --per;
     const int64_t chunks = group / per;
-    // Each row's spans, listed (row, first slot), and where a row of several keeps its partials.
-    std::vector<int64_t> span_row, span_first, part_at(size_t(n_rows), -1);
+    std::vector<int64_t> part_at(size_t(n_rows), -1);
     int64_t parts = 0;
-    for (int64_t r = 0; r < n_rows; ++r) {
-        const int64_t L = row_ptr[r + 1] - row_ptr[r];
-        for (int64_t j = 0; j < L; j += SPAN) span_row.push_back(r), span_first.push_back(j);
-        if (L > SPAN) part_at[size_t(r)] = parts, parts += (L + SPAN - 1) / SPAN * Hq;
-    }
-    const auto n_spans = int64_t(span_row.size());
+    const std::vector<Span> spans = shared_spans(row_ptr, idx, n_rows, int(MAX_QUERIES / per), Hq, part_at, parts);
+    const auto n_spans = int64_t(spans.size());
     std::vector<float> partial(size_t(parts * PART));
 #pragma omp parallel num_threads(threads)
     {
@@ -188,39 +228,38 @@ void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, in
             }
             for (int c = 0; c < NC; ++c) storev(vd + c * 16, loadv(vn + h * v_sh + t * v_st + c * 16));
         }
-        std::vector<float> scratch(size_t(per * SPAN));
-        std::vector<float> rotated(size_t(per * D));
-        V o[MAX_GROUP][NC];
-        float m[MAX_GROUP], l[MAX_GROUP];
+        std::vector<float> scratch(size_t(MAX_QUERIES * SPAN));
+        std::vector<float> rotated(size_t(MAX_QUERIES * D));
+        V o[MAX_QUERIES][NC];
+        float m[MAX_QUERIES], l[MAX_QUERIES];
         // Tasks by key/value head, then span (rows in order), then its heads `per` at a time: a
         // thread reads a key/value head's slots once from memory, then from its own cache for
-        // every row that shares them.
+        // every span of a later row that shares them.
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < Hkv * n_spans * chunks; ++task) {
-            const int64_t kvh = task / (n_spans * chunks), sp = task / chunks % n_spans;
-            const int64_t r = span_row[size_t(sp)], j = span_first[size_t(sp)], t = rows[r];
-            const int64_t L = row_ptr[r + 1] - row_ptr[r], n = L - j < SPAN ? L - j : SPAN;
-            const int64_t h0 = kvh * group + task % chunks * per;
-            const float* qs[MAX_GROUP];
-            for (int64_t g = 0; g < per; ++g) {
-                qs[g] = q + (h0 + g) * q_sh + t * q_st;
+            const int64_t kvh = task / (n_spans * chunks);
+            const Span& sp = spans[size_t(task / chunks % n_spans)];
+            const int64_t h0 = kvh * group + task % chunks * per, r0 = sp.rows[0];
+            const float* qs[MAX_QUERIES];  // query i: row sp.rows[i / per], head h0 + i % per
+            for (int64_t i = 0; i < sp.count * per; ++i) {
+                const int64_t t = rows[sp.rows[i / per]];
+                qs[i] = q + (h0 + i % per) * q_sh + t * q_st;
                 if (cos != nullptr) {
-                    rotate(qs[g], cos + t * D, sin + t * D, D, rotated.data() + g * D);
-                    qs[g] = rotated.data() + g * D;
+                    rotate(qs[i], cos + t * D, sin + t * D, D, rotated.data() + i * D);
+                    qs[i] = rotated.data() + i * D;
                 }
             }
-            attend_span<NC>(int(per), qs, kc + kvh * c_sh, vc + kvh * c_sh, idx + row_ptr[r] + j, n, L - j, scale,
-                            scratch.data(), o, m, l);
-            if (L <= SPAN) {  // the row's one span: its result
-                for (int64_t g = 0; g < per; ++g) {
-                    const V iv = set1(1.0f / l[g]);
-                    for (int c = 0; c < NC; ++c) storev(out + t * o_st + (h0 + g) * D + c * 16, mul(o[g][c], iv));
-                }
-            } else {
-                float* p = partial.data() + (part_at[size_t(r)] + j / SPAN * Hq + h0) * PART;
-                for (int64_t g = 0; g < per; ++g, p += PART) {
-                    for (int c = 0; c < NC; ++c) storev(p + c * 16, o[g][c]);
-                    p[D] = m[g], p[D + 1] = l[g];
+            attend_span<NC>(int(sp.count * per), qs, kc + kvh * c_sh, vc + kvh * c_sh, idx + row_ptr[r0] + sp.first,
+                            sp.n, row_ptr[r0 + 1] - row_ptr[r0] - sp.first, scale, scratch.data(), o, m, l);
+            for (int64_t i = 0; i < sp.count * per; ++i) {
+                const int64_t r = sp.rows[i / per], h = h0 + i % per;
+                if (part_at[size_t(r)] < 0) {  // the row's one span: its result
+                    const V iv = set1(1.0f / l[i]);
+                    for (int c = 0; c < NC; ++c) storev(out + rows[r] * o_st + h * D + c * 16, mul(o[i][c], iv));
+                } else {
+                    float* p = partial.data() + (part_at[size_t(r)] + sp.first / SPAN * Hq + h) * PART;
+                    for (int c = 0; c < NC; ++c) storev(p + c * 16, o[i][c]);
+                    p[D] = m[i], p[D + 1] = l[i];
                 }
             }
         }
