@@ -42,6 +42,18 @@ class SequenceCache(Protocol):
 
     def compact(self, start: int, keep: torch.Tensor | list[int]) -> None: ...
 
+    # Prefix reuse across requests, where the cache's storage is shared (`PagedCache`); without a
+    # shared pool nothing is reused and nothing offered.
+    def reuse_prefix(self, token_ids: list[int]) -> int:
+        """Start an empty cache on what the shared pool already holds for the longest run of full
+        blocks that `token_ids` starts with; returns the tokens it reused."""
+        ...
+
+    def register_full_blocks(self, token_ids: list[int]) -> None:
+        """Offer the full blocks holding the first tokens of `token_ids` (at most `length`) for
+        later requests whose tokens start the same way."""
+        ...
+
     # For attention kernels that read the cache in place: a layer's (H_kv, S, D) key and value
     # slots (None where there are none to read, e.g. a batch of sequences), and which slot holds
     # each position.
@@ -114,6 +126,13 @@ class KVCache:
     def release(self) -> None:
         """Forget every token (its tensors are its own: nothing to give back)."""
         self.length = 0
+
+    def reuse_prefix(self, token_ids: list[int]) -> int:
+        """Nothing to reuse: the tensors are this sequence's own."""
+        return 0
+
+    def register_full_blocks(self, token_ids: list[int]) -> None:
+        """Nothing to offer: no other request reads this cache."""
 
     def compact(self, start: int, keep: torch.Tensor | list[int]) -> None:
         """Keep the slots `start + keep[i]` (a tree's accepted path, in order) at `start + i` and

@@ -13,6 +13,7 @@ import torch
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.attention import AttentionPlan, Segment, causal_mask, tree_mask
 from specdecode.drafters.base import Drafter
+from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.medusa import save_heads
 from specdecode.engine.block_pool import BlockPool
 from specdecode.engine.config import EngineConfig
@@ -306,6 +307,39 @@ def test_prefix_reuse_skips_compute(setup) -> None:
     assert deltas[-1].num_cached_prompt_tokens == 48  # 6 full blocks of the 50 shared tokens
     assert engine.stats.kv_blocks_reused == 6
     assert sum(rows) == len(second) - 1 - 48 + 6  # the reused blocks were not recomputed
+
+
+def test_a_draft_model_reuses_its_blocks_of_an_earlier_prompt(setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt that starts like an earlier request's (a conversation's next turn): the draft model
+    prefills only what its own prefix cache lacks, as the target does; the text is unchanged.
+    Without prefix caching it prefills the whole prompt."""
+    llm, methods = setup
+    spec = parse_speculative(methods[4])
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    shared = list(range(3, 53))  # 50 tokens: 6 full blocks of 8
+    first, second = [*shared, 5, 6, 7], [*shared, 8, 9]
+    want_out = {"a": alone(llm, first, params, methods[4]), "b": alone(llm, second, params, methods[4])}
+    prefilled: list[int] = []
+    feed = DraftModelDrafter._feed
+
+    def recording(self: DraftModelDrafter, tokens: list[int], prompt: bool = False) -> torch.Tensor:
+        if prompt:
+            prefilled.append(len(tokens))
+        return feed(self, tokens, prompt)
+
+    monkeypatch.setattr(DraftModelDrafter, "_feed", recording)
+    for caching, want in (
+        (True, [len(first) - 1, len(second) - 1 - 48]),
+        (False, [len(first) - 1, len(second) - 1]),
+    ):
+        prefilled.clear()
+        engine = llm.new_engine(EngineConfig(block_size=8, policy=False, prefix_caching=caching))
+        out = serve(engine, [EngineRequest("a", first, params, spec)])
+        out |= serve(engine, [EngineRequest("b", second, params, spec)])
+        assert out == want_out
+        assert prefilled == want  # each prompt but its root, less the draft's reused blocks
+        (storage,) = engine.draft_storages.values()
+        assert storage.pool.num_reused == (6 if caching else 0)
 
 
 class RecordingDrafter(Drafter):

@@ -314,7 +314,8 @@ class LLMEngine:
         return seq
 
     def _draft_cache(self, draft: Transformer, max_len: int) -> PagedCache:
-        """A request's KV cache for `draft`, over that draft model's block storage."""
+        """A request's KV cache for `draft`, over that draft model's block storage (reusing its
+        blocks of an earlier request's tokens under the engine's `prefix_caching`)."""
         storage = self.draft_storages.get(draft)
         if storage is None:
             storage = PagedKVStorage(
@@ -326,7 +327,9 @@ class LLMEngine:
                 hidden=False,
             )
             self.draft_storages[draft] = storage
-        return PagedCache(storage, min(max_len, draft.config.max_position_embeddings))
+        return PagedCache(
+            storage, min(max_len, draft.config.max_position_embeddings), self.config.prefix_caching
+        )
 
     def abort(self, request_id: str, finished: bool = False) -> None:
         """Drop a request and free its blocks now (no delta is emitted for it); unknown ids are

@@ -73,11 +73,13 @@ class PagedCache:
 
     `length` slots are valid (the tokens the model has committed). `reserve` allocates blocks for
     new tokens; `rollback`/`truncate`/`compact` move `length` and free the blocks past it.
-    `register_full_blocks` enters the sequence's full blocks into the prefix cache.
+    `register_full_blocks` enters the sequence's full blocks into the prefix cache, and
+    `reuse_prefix` starts an empty one on registered blocks; neither acts without `prefix_caching`.
     """
 
-    def __init__(self, storage: PagedKVStorage, max_len: int) -> None:
+    def __init__(self, storage: PagedKVStorage, max_len: int, prefix_caching: bool = True) -> None:
         self.storage = storage
+        self.prefix_caching = prefix_caching
         self.pool = storage.pool
         self.block_size = storage.block_size
         self.max_len = max_len
@@ -121,11 +123,25 @@ class PagedCache:
         self._registered, self._last_hash = 0, NO_PARENT
         self._refresh_slots()
 
+    def reuse_prefix(self, token_ids: list[int]) -> int:
+        """Start this empty sequence on the registered blocks holding the longest run of full
+        blocks that `token_ids` starts with (a draft model's cache: the target's go through the
+        scheduler, which also counts them against its budget); returns the tokens reused."""
+        if not self.prefix_caching:
+            return 0
+        blocks, last_hash = self.pool.match_prefix(token_ids)
+        self.pool.take(blocks)
+        self.adopt(blocks, last_hash)
+        return self.length
+
     def register_full_blocks(self, token_ids: list[int]) -> None:
-        """Enter the blocks that `token_ids` (the sequence's tokens, at least `length` of them) fill
-        completely into the prefix cache."""
+        """Enter the blocks that the first tokens of `token_ids` (the sequence's, up to `length`)
+        fill completely into the prefix cache."""
+        if not self.prefix_caching:
+            return
         bs = self.block_size
-        while (self._registered + 1) * bs <= self.length:
+        end = min(self.length, len(token_ids))
+        while (self._registered + 1) * bs <= end:
             i = self._registered
             self._last_hash = self.pool.register(
                 self.blocks[i], self._last_hash, token_ids[i * bs : (i + 1) * bs]
