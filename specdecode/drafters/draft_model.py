@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from specdecode.attention import KERNEL_MAX_ROWS
+from specdecode.attention import PREFILL_KERNEL_ROWS
 from specdecode.drafters.base import Drafter, Proposal, StepResult
 from specdecode.errors import OutOfKVBlocks, SpecDecodeError
 from specdecode.kv_cache import SequenceCache
@@ -40,10 +40,11 @@ if TYPE_CHECKING:
     from specdecode.request import Request
 
 FEED_CHUNK = 512  # tokens per draft forward when catching up: bounds the attention scores' memory
-# Tokens per draft forward over a prompt: chunks the row attention and the one-call decoder take;
-# the Qwen 0.5B prefilled 520 tokens in 436 ms so against 507 in chunks of 512 (int8 prompt rows,
-# AVX-512).
-PROMPT_CHUNK = KERNEL_MAX_ROWS
+# Tokens per draft forward over a prompt: the target's prefill chunks, which take the row attention
+# and the one-call decoder within a prompt's first positions (`attention.row_kernel_takes`). The
+# Qwen 0.5B (drafting for the 1.5B, int8 prompt rows, AVX-512) prefilled 300 / 520 / 1000 tokens
+# in 535 / 970 / 2010 ms so, against 557 / 1026 / 2108 in chunks of 64.
+PROMPT_CHUNK = PREFILL_KERNEL_ROWS
 
 # (draft model, max_len) -> an empty cache for one request's draft, of at most max_len tokens.
 DraftCacheFactory = Callable[[Transformer, int], SequenceCache]
