@@ -30,7 +30,7 @@ PREFILL_KERNEL_CONTEXT = 1024
 
 
 def row_kernel_takes(seg: Segment) -> bool:
-    """Whether `seg`'s length and place suit the row kernel (`KERNEL_MAX_ROWS`)."""
+    """Whether `seg`'s length and place suit the row kernel (see `KERNEL_MAX_ROWS` above)."""
     early = seg.length <= PREFILL_KERNEL_ROWS and seg.start + seg.length <= PREFILL_KERNEL_CONTEXT
     return seg.length <= KERNEL_MAX_ROWS or early
 
