@@ -176,9 +176,9 @@ def test_a_drafts_prompt_rows_in_int8(isa: str, fmt: str) -> None:
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_avx512_without_vnni_gives_the_same_int8_sums(fmt: str) -> None:
     """Where the CPU has AVX512-VNNI the AVX-512 build sums a draft's int8 rows with `vpdpbusd`
-    (and, with AVX512-VBMI, spreads Q6_K's quads with a byte permute and a multishift); built
-    without them (a CPU that lacks them), with `vpmaddubsw` pairs added in int16 and shifts and
-    masks: the same integer sums, so the same bits."""
+    (and, with AVX512-VBMI, spreads Q4_K's and Q6_K's quads with byte permutes and multishifts);
+    built without them (a CPU that lacks them), with `vpmaddubsw` pairs added in int16 and shifts
+    and masks: the same integer sums, so the same bits."""
     vnni = quant_kernel("avx512")
     if vnni is None or "avx512_vnni" not in build.cpu_flags():
         pytest.skip("needs an AVX-512 CPU with AVX512-VNNI")

@@ -37,6 +37,15 @@
 
 #include "lanes.h"
 
+// AVX512-VBMI's byte permutes and multishifts with VNNI's dot products: where Q4_K's and Q6_K's
+// int8 decoding rows spread their quads in two instructions (the optional flags of the AVX-512
+// build, used where the CPU lists them).
+#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+#define VBMI_QUADS 1
+#else
+#define VBMI_QUADS 0
+#endif
+
 namespace {
 
 using namespace lanes;
@@ -1211,7 +1220,7 @@ template <class F, int R>
 __attribute__((noinline)) void int8_pair_rows(const int8_t* xp, const float* xd, const float* xs, int64_t K,
                                               const uint8_t* unit, int first, float* y, int64_t ldy, int valid) {
     Sums<R, 1> out;
-#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+#if VBMI_QUADS
     // With AVX512-VBMI a step pair's quads of all 16 outputs, in order, come from one byte permute
     // (output c's bytes of steps 2p and 2p + 1, each twice) and one multishift (the low nibble of
     // the first copy, the high of the second): one `vpdpbusd` of 16 lanes a row, no permutes of
@@ -1292,11 +1301,7 @@ __attribute__((noinline)) void int8_pair_rows(const int8_t* xp, const float* xd,
 // product a step pair and row instead of two, the same integer sums (Qwen 1.5B, 2 threads, Zen 4,
 // in-process A/B: down projection at 5 rows 0.65 -> 0.55 ms, LM head 15.1 -> 12.8 ms; its int8
 // forward of 1 / 5 tokens 46.0 -> 42.7 / 85.6 -> 74.7 ms).
-#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
-constexpr bool Q6_PAIRS = true;
-#else
-constexpr bool Q6_PAIRS = false;
-#endif
+constexpr bool Q6_PAIRS = VBMI_QUADS;
 // int8 x (M, K) in `quantize_rows`'s order -> per group and step pair p those two quads: (M, 2 K);
 // with `Q6_PAIRS`, per group and pair of step pairs m its eight bytes: (M, K).
 void q6_x(const int8_t* q, int64_t M, int64_t K, int8_t* out) {
@@ -1304,11 +1309,11 @@ void q6_x(const int8_t* q, int64_t M, int64_t K, int8_t* out) {
         if constexpr (Q6_PAIRS) {
             for (int m = 0; m < 4; ++m, out += 8)
                 for (int k = 0; k < 4; ++k) out[k] = q[4 * m + k], out[4 + k] = q[4 * m + 16 + k];
-            continue;
-        }
-        for (int p = 0; p < 8; ++p, out += 8) {
-            std::memset(out, 0, 8);
-            out[0] = q[2 * p], out[1] = q[2 * p + 1], out[6] = q[2 * p + 16], out[7] = q[2 * p + 17];
+        } else {
+            for (int p = 0; p < 8; ++p, out += 8) {
+                std::memset(out, 0, 8);
+                out[0] = q[2 * p], out[1] = q[2 * p + 1], out[6] = q[2 * p + 16], out[7] = q[2 * p + 17];
+            }
         }
     }
 }
@@ -1321,15 +1326,7 @@ inline W8 w8_of(VI a) {  // 16 lanes of four bytes, as `dot4` takes weights
 #endif
 }
 
-// A step pair's quads (q[2p], q[2p + 1], q[2p + 16], q[2p + 17]) of the 16 outputs from its 48 bytes
-// (without `Q6_PAIRS`: AVX2, AVX-512 CPUs without VBMI or VNNI).
-inline W8 q6_quads(const uint8_t* p) {
-    const VI v = u24_lanes(p);  // q[2p] | q[2p + 16] << 6 | q[2p + 1] << 12 | q[2p + 17] << 18
-    return w8_of(or_(or_(and_(v, 0x3F), and_(shr(v, 4), 0x3F00)),
-                     or_(and_(shl(v, 10), 0x3F0000), and_(shl(v, 6), 0x3F000000))));
-}
-
-#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+#if VBMI_QUADS
 // Q6_PAIRS: output c's three bytes of step pair 2m to bytes 0-2 of a 64-bit lane and those of 2m + 1
 // to bytes 4-6 (outputs 0-7 in one register, 8-15 in another: one two-table byte permute each of
 // the pair's 96 bytes, read as bytes 0-63 and 32-95), then one multishift takes the lo quad's bits
@@ -1386,8 +1383,15 @@ __attribute__((noinline)) void int8_q6_rows(const int8_t* x8, const float* xd, c
     for (int r = 0; r < R; ++r) out.store(r, y + r * ldy + first * TILE, valid - first * TILE);
 }
 #else
+// A step pair's quads (q[2p], q[2p + 1], q[2p + 16], q[2p + 17]) of the 16 outputs from its 48 bytes.
+inline W8 q6_quads(const uint8_t* p) {
+    const VI v = u24_lanes(p);  // q[2p] | q[2p + 16] << 6 | q[2p + 1] << 12 | q[2p + 17] << 18
+    return w8_of(or_(or_(and_(v, 0x3F), and_(shr(v, 4), 0x3F00)),
+                     or_(and_(shl(v, 10), 0x3F0000), and_(shl(v, 6), 0x3F000000))));
+}
+
 // R rows of int8 x (x8: `q6_x`; scales xd (R, K/32); float half sums xs (R, K/16)) over tile
-// `first` of a unit of Q6_K.
+// `first` of a unit of Q6_K (without `Q6_PAIRS`: AVX2, AVX-512 CPUs without VBMI or VNNI).
 template <class F, int R>
 __attribute__((noinline)) void int8_q6_rows(const int8_t* x8, const float* xd, const float* xs, int64_t K,
                                             const uint8_t* unit, int first, float* y, int64_t ldy, int valid) {
