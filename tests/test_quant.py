@@ -176,7 +176,8 @@ def test_a_drafts_prompt_rows_in_int8(isa: str, fmt: str) -> None:
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_avx512_without_vnni_gives_the_same_int8_sums(fmt: str) -> None:
     """Where the CPU has AVX512-VNNI the AVX-512 build sums a draft's int8 rows with `vpdpbusd`
-    (and, with AVX512-VBMI, spreads Q4_K's and Q6_K's quads with byte permutes and multishifts);
+    (and, with AVX512-VBMI, spreads Q4_K's and Q6_K's quads with byte permutes and multishifts, and
+    takes Q8_0's quants from three rows on as unsigned q + 128 with -128 sum(x) added back);
     built without them (a CPU that lacks them), with `vpmaddubsw` pairs added in int16 and shifts
     and masks: the same integer sums, so the same bits."""
     vnni = quant_kernel("avx512")
@@ -189,7 +190,7 @@ def test_avx512_without_vnni_gives_the_same_int8_sums(fmt: str) -> None:
     x = torch.randn(9, 768, generator=torch.Generator().manual_seed(12))
     want = vnni.approximate().matmul(x, weight, prefill=True)
     assert torch.equal(plain.matmul(x, weight, prefill=True), want)
-    for m in (1, 2, 9):  # decoding rows (Q4_0's: int8 from its words)
+    for m in (1, 2, 3, 9):  # decoding rows (Q4_0's: int8 from its words)
         assert torch.equal(plain.matmul(x[:m], weight), vnni.approximate().matmul(x[:m], weight)), m
 
 
