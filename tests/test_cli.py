@@ -189,6 +189,44 @@ def test_spec_bench_reports_decoding_apart_from_prefill(
     assert rows[("plain", "overall")]["decode_speedup"] == 1.0
 
 
+def test_spec_bench_repeats_report_medians_of_within_run_ratios(
+    tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`specdecode bench --repeats N` runs the questions N times and reports, per method and
+    category, the median of each run's own figures (a speedup is a ratio within its run), every
+    run's overall speedups, outputs counted over all runs, and a match only where every run
+    matched; `--repeats 0` is refused."""
+    from specdecode.bench.specbench import median_report
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(
+        json.dumps({"question_id": 1, "category": "qa", "turns": ["a b c a b c a b"]}) + "\n"
+    )
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", str(tiny_gguf), "--questions", str(questions), "--max-tokens", "8"]
+    assert main([*argv, "--method", "prompt_lookup", "--repeats", "3", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "medians of 3 runs" in printed
+    rows = {(r["method"], r["category"]): r for r in json.loads(out.read_text())["rows"]}
+    lookup = rows[("prompt_lookup[k=4,n=2]", "overall")]
+    assert len(lookup["speedup_runs"]) == 3 and lookup["speedup"] == round(
+        sorted(lookup["speedup_runs"])[1], 3
+    )
+    assert lookup["outputs"] == 3 and lookup["greedy_match"]
+    assert main([*argv, "--repeats", "0"]) == 2 and "--repeats must be >= 1" in capsys.readouterr().err
+
+    def one(speedup: float, mismatches: int) -> dict[str, object]:
+        row = dict(method="m", category="overall", tokens_per_s=100 * speedup, speedup=speedup, tau=1.5)
+        row |= dict(decode_tokens_per_s=None, decode_speedup=None, outputs=2, tokens=10)
+        row |= dict(greedy_match=mismatches == 0, mismatches=mismatches)
+        return {"temperature": 0.0, "rows": [row], "tie_gaps": {}}
+
+    merged = median_report([one(1.1, 0), one(1.4, 1), one(1.2, 0)])["rows"][0]
+    assert merged["speedup"] == 1.2 and merged["speedup_runs"] == [1.1, 1.4, 1.2]
+    assert merged["decode_speedup"] is None and merged["tau"] == 1.5
+    assert not merged["greedy_match"] and merged["mismatches"] == 1 and merged["outputs"] == 6
+
+
 def test_bench_peer_plot_draws_every_run(tmp_path: Path) -> None:
     """bench-peer's `--plot` (its runs need llama.cpp, not here): tokens/s per category drawn."""
     from specdecode.bench.peer import Run, plot

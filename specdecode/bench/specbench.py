@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -231,6 +232,7 @@ def run(
     temperature: float,
     peer: bool,
     progress: bool = True,
+    desc: str = "spec-bench",
 ) -> list[Method]:
     from tqdm import tqdm
 
@@ -249,7 +251,7 @@ def run(
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0), speculative=m.spec)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0)
     total = sum(len(q["turns"]) for q in questions)
-    bar = tqdm(total=total, desc="spec-bench", unit="turn", disable=not progress)
+    bar = tqdm(total=total, desc=desc, unit="turn", disable=not progress)
     for q in questions:
         cat = category_of(q)
         history: list[dict[str, str]] = []
@@ -319,6 +321,39 @@ def report(methods: list[Method], temperature: float) -> dict[str, Any]:
     return {"temperature": temperature, "rows": rows, "tie_gaps": gaps}
 
 
+# A run's figures that are medians over repeated runs (each ratio taken within its run first).
+MEDIAN_KEYS = ("tokens_per_s", "speedup", "decode_tokens_per_s", "decode_speedup", "tau")
+
+
+def median_report(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from several runs of the same methods over the same questions: each figure
+    the median of the runs' (a speedup is a ratio within its run, then the median of those),
+    greedy outputs matching only where they matched in every run, counts summed, and each row's
+    spread of speedups over the runs (`speedup_runs`, `decode_speedup_runs`). On a machine whose
+    speed drifts between runs, the within-run ratios' median is the figure to quote."""
+    rows = []
+    for i, first in enumerate(results[0]["rows"]):
+        same = [r["rows"][i] for r in results]
+        assert all((r["method"], r["category"]) == (first["method"], first["category"]) for r in same)
+        row = dict(first)
+        for key in MEDIAN_KEYS:
+            values = [r[key] for r in same if r[key] is not None]
+            row[key] = round(statistics.median(values), 3) if values else None
+        for key in ("speedup", "decode_speedup"):
+            row[key + "_runs"] = [r[key] for r in same]
+        if first["greedy_match"] is not None:
+            row["mismatches"] = sum(r["mismatches"] for r in same)
+            row["greedy_match"] = row["mismatches"] == 0
+        row["outputs"] = sum(r["outputs"] for r in same)
+        row["tokens"] = sum(r["tokens"] for r in same)
+        rows.append(row)
+    gaps: dict[str, list[float]] = {}
+    for r in results:
+        for label, g in r["tie_gaps"].items():
+            gaps.setdefault(label, []).extend(g)
+    return {"temperature": results[0]["temperature"], "rows": rows, "tie_gaps": gaps, "runs": len(results)}
+
+
 def print_table(result: dict[str, Any]) -> None:
     """Tokens/s and speedup over the whole request (prefill included), then over decoding alone
     (after the first token; `decode`)."""
@@ -335,6 +370,14 @@ def print_table(result: dict[str, Any]) -> None:
             f"{r['method']:<52} {r['category']:<15} {r['tokens_per_s']:>8.2f} "
             f"{r['speedup'] or 0:>7.2f}x {decode:>8} {decode_x:>8} {tau:>6} {match:>6}"
         )
+    runs = result.get("runs", 1)
+    if runs > 1:
+        print(f"medians of {runs} runs (each speedup a ratio within its run); overall speedups per run:")
+        for r in result["rows"]:
+            if r["category"] == "overall" and r["method"] != "plain":
+                whole = " ".join(f"{v:.2f}x" for v in r["speedup_runs"] if v is not None)
+                alone = " ".join(f"{v:.2f}x" for v in r["decode_speedup_runs"] if v is not None)
+                print(f"  {r['method']}: {whole}" + (f" (decoding alone {alone})" if alone else ""))
     for label, gaps in result.get("tie_gaps", {}).items():
         print(
             f"{label} differs from ours on {len(gaps)} outputs: at the first token that differs its "
@@ -377,6 +420,8 @@ def specs_from_args(args: argparse.Namespace) -> list[SpecConfig | None]:
 
 
 def main_args(args: argparse.Namespace) -> None:
+    if args.repeats < 1:
+        raise SpecDecodeError(f"--repeats must be >= 1, got {args.repeats}")
     specs = specs_from_args(args)
     llm = LLM(
         model=args.model,
@@ -387,8 +432,12 @@ def main_args(args: argparse.Namespace) -> None:
         speculation_policy=args.policy,
     )
     questions = load_questions(args.questions, args.per_category or None, args.categories)
-    methods = run(llm, specs, questions, args.max_tokens, args.temperature, args.transformers)
-    result = report(methods, args.temperature)
+    results = []
+    for i in range(args.repeats):
+        desc = "spec-bench" if args.repeats == 1 else f"spec-bench run {i + 1}/{args.repeats}"
+        methods = run(llm, specs, questions, args.max_tokens, args.temperature, args.transformers, desc=desc)
+        results.append(report(methods, args.temperature))
+    result = results[0] if len(results) == 1 else median_report(results)
     result.update(model=args.model, max_tokens=args.max_tokens, questions=len(questions))
     print_table(result)
     if args.json:
@@ -409,6 +458,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", action="append", help='a full setting as JSON, e.g. \'{"method": "lookahead"}\'')
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the questions N times (every method per turn each time) and report medians",
+    )
     p.add_argument(
         "--no-policy",
         dest="policy",
