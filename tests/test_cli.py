@@ -227,14 +227,36 @@ def test_spec_bench_repeats_report_medians_of_within_run_ratios(
     assert not merged["greedy_match"] and merged["mismatches"] == 1 and merged["outputs"] == 6
 
 
-def test_bench_peer_plot_draws_every_run(tmp_path: Path) -> None:
-    """bench-peer's `--plot` (its runs need llama.cpp, not here): tokens/s per category drawn."""
-    from specdecode.bench.peer import Run, plot
+def test_bench_peer_takes_turns_and_reports_medians_of_within_run_ratios(tmp_path: Path) -> None:
+    """bench-peer's engines (llama.cpp's need the [peer] extra, not here: stand-ins) take each
+    prompt in turn before the next, so a machine slowing down part way slows them alike; over
+    repeats each engine's ratio to the first is the median of its within-run ratios; `--plot`
+    draws tokens/s per category."""
+    from specdecode.bench.peer import plot, run_interleaved, summarize, table
 
-    runs = [Run("llama.cpp plain"), Run("specdecode plain")]
-    for i, run in enumerate(runs):
-        run.add("qa", 100, 1.0 + i, "text")
-        run.add("rag", 50, 2.0, "text")
+    calls: list[tuple[str, int]] = []
+    slow = {"factor": 1.0}
+
+    def engine(name: str, seconds: float) -> tuple[str, object]:
+        def decode(ids: list[int]) -> tuple[int, float, str]:
+            calls.append((name, ids[0]))
+            if len(calls) == 7:  # the machine halves its speed from the 7th call on
+                slow["factor"] = 2.0
+            return 10, seconds * slow["factor"], f"text {ids[0]}"
+
+        return name, decode
+
+    engines = [engine("llama.cpp plain", 1.0), engine("specdecode plain", 0.5)]
+    prompts = [("qa", [1]), ("rag", [2]), ("qa", [3])]
+    rounds = run_interleaved(engines, prompts, repeats=3)  # type: ignore[arg-type]
+    assert [n for n, _ in calls[:4]] == ["llama.cpp plain", "specdecode plain"] * 2
+    assert [i for _, i in calls[:6]] == [1, 1, 2, 2, 3, 3]
+    summaries = summarize(rounds, ["qa", "rag"])
+    ours = summaries[1]
+    assert ours.ratio_runs == [2.0, 2.0, 2.0]  # each run's ratio, whatever its speed
+    assert ours.ratio == 2.0 and ours.same_text == 3 and ours.outputs == 3
+    assert ours.rate == 10.0 and summaries[0].rate_by_category["qa"] == 5.0  # medians: 2 of 3 runs slow
+    assert "medians of 3 runs" in table(summaries, ["qa", "rag"])
     png = tmp_path / "peer.png"
-    plot(runs, ["qa", "rag"], str(png))
+    plot(summaries, ["qa", "rag"], str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -4,20 +4,26 @@
     specdecode bench-peer --model smollm2-135m --threads 2 --per-category 2 --plot peer.png
 
 Each Spec-Bench question (first turn, the model's chat template, greedy, `--max-tokens`) is
-decoded one at a time, as a single user would: by llama.cpp plainly and with its prompt lookup
-(`LlamaPromptLookupDecoding`), then by specdecode plainly and with each `--spec`. Reported per
-category and overall: output tokens/s, the ratio to llama.cpp's plain decoding, and how many
-outputs equal llama.cpp's plain text (both engines dequantize the same blocks, but llama.cpp
-multiplies in its own integer formats, so near-ties may break differently). The instruction set
-our kernels ran on is printed with the table.
+decoded one at a time, as a single user would, by every engine in turn before the next question:
+llama.cpp plainly and with its prompt lookup (`LlamaPromptLookupDecoding`), specdecode plainly and
+with each `--spec`. Taking turns question by question, a machine whose speed drifts slows every
+engine alike instead of whichever ran during the slow minutes (one engine after the other, one
+run had llama.cpp at 40 tok/s and the next at 52 on the same Zen 4). Reported per category and
+overall: output tokens/s, the ratio to llama.cpp's plain decoding, and how many outputs equal
+llama.cpp's plain text (both engines dequantize the same blocks, but llama.cpp multiplies in its
+own integer formats, so near-ties may break differently). `--repeats N` runs the questions N
+times and reports medians (each ratio taken within its run first). The instruction set our
+kernels ran on is printed with the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +39,9 @@ from specdecode.sampling import SamplingParams
 
 LLAMA_CPP = "llama.cpp"
 
+# One engine and method: a prompt's token ids -> (output tokens, seconds, output text).
+Engine = Callable[[list[int]], tuple[int, float, str]]
+
 
 @dataclass
 class Run:
@@ -47,12 +56,6 @@ class Run:
         self.tokens[category] += tokens
         self.seconds[category] += seconds
         self.texts.append(text)
-
-    def as_dict(self, categories: list[str]) -> dict[str, object]:
-        """The figures as JSON: tokens/s overall and per category, the counts and texts."""
-        rates = {c: round(self.rate(c), 2) for c in categories}
-        return {"name": self.name, "rate": round(self.rate(), 2), "rate_by_category": rates,
-                "tokens": dict(self.tokens), "seconds": dict(self.seconds), "texts": self.texts}  # fmt: skip
 
     def rate(self, category: str | None = None) -> float:
         cats = [category] if category else list(self.tokens)
@@ -77,69 +80,125 @@ def _llama(path: Path, threads: int, lookup: bool) -> Any:
     )  # fmt: skip
 
 
-def run_llama_cpp(path: Path, prompts: list[tuple[str, list[int]]], args: argparse.Namespace) -> list[Run]:
-    runs = []
+def llama_cpp_engines(path: Path, args: argparse.Namespace, warm: list[int]) -> list[tuple[str, Engine]]:
+    """llama.cpp plain and with its prompt lookup, each a loaded instance, warmed up on `warm`."""
+    engines: list[tuple[str, Engine]] = []
     for lookup in (False, True):
         llama = _llama(path, args.threads, lookup)
-        run = Run(f"{LLAMA_CPP} {'prompt lookup' if lookup else 'plain'}")
-        for category, ids in prompts:
+
+        def decode(ids: list[int], llama: Any = llama) -> tuple[int, float, str]:
             llama.reset()
             start = time.perf_counter()
             out = llama.create_completion(ids, max_tokens=args.max_tokens, temperature=0.0, top_k=1)
-            run.add(
-                category,
-                out["usage"]["completion_tokens"],
-                time.perf_counter() - start,
-                out["choices"][0]["text"],
-            )
-        runs.append(run)
-        del llama
-    return runs
+            return out["usage"]["completion_tokens"], time.perf_counter() - start, out["choices"][0]["text"]
+
+        decode(warm)  # first-call costs
+        engines.append((f"{LLAMA_CPP} {'prompt lookup' if lookup else 'plain'}", decode))
+    return engines
 
 
-def run_ours(
-    llm: LLM, prompts: list[tuple[str, list[int]]], specs: list[dict[str, Any]], args: argparse.Namespace
-) -> list[Run]:
+def our_engines(
+    llm: LLM, specs: list[dict[str, Any]], args: argparse.Namespace, warm: list[int]
+) -> list[tuple[str, Engine]]:
+    """specdecode plain and with each method, every prompt cold (as llama.cpp's `reset`),
+    warmed up on `warm`."""
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    runs = []
+    engines: list[tuple[str, Engine]] = []
     for spec in [None, *specs]:
-        run = Run(f"specdecode {spec['method'] if spec else 'plain'}")
-        llm.generate(
-            [prompts[0][1]], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False, speculative=spec
-        )
-        for category, ids in prompts:
-            llm.engine.clear_prefix_cache()  # each prompt cold, as llama.cpp's reset
+
+        def decode(ids: list[int], spec: dict[str, Any] | None = spec) -> tuple[int, float, str]:
+            llm.engine.clear_prefix_cache()
             start = time.perf_counter()
             out = llm.generate([ids], params, use_tqdm=False, speculative=spec)[0]
-            run.add(category, len(out.token_ids), time.perf_counter() - start, out.text)
-        runs.append(run)
-    return runs
+            return len(out.token_ids), time.perf_counter() - start, out.text
+
+        decode(warm)  # first-call costs (a drafter's load, allocation)
+        engines.append((f"specdecode {spec['method'] if spec else 'plain'}", decode))
+    return engines
 
 
-def table(runs: list[Run], categories: list[str]) -> str:
-    base = runs[0]
+def run_interleaved(
+    engines: list[tuple[str, Engine]], prompts: list[tuple[str, list[int]]], repeats: int = 1
+) -> list[list[Run]]:
+    """Each prompt through every engine in turn, then the next prompt; `repeats` times over all
+    of them: one list of runs (one per engine) per repeat."""
+    rounds = []
+    for _ in range(repeats):
+        runs = [Run(name) for name, _ in engines]
+        for category, ids in prompts:
+            for run, (_, decode) in zip(runs, engines, strict=True):
+                run.add(category, *decode(ids))
+        rounds.append(runs)
+    return rounds
+
+
+@dataclass
+class Summary:
+    """One engine over repeated rounds: median tokens/s (overall, per category) and the median of
+    its within-round ratios to the first engine (llama.cpp plain)."""
+
+    name: str
+    rate: float
+    rate_by_category: dict[str, float]
+    ratio: float
+    ratio_runs: list[float]
+    same_text: int
+    outputs: int
+
+    def as_dict(self) -> dict[str, object]:
+        return {"name": self.name, "rate": round(self.rate, 2),
+                "rate_by_category": {c: round(r, 2) for c, r in self.rate_by_category.items()},
+                "ratio": round(self.ratio, 3), "ratio_runs": [round(r, 3) for r in self.ratio_runs],
+                "same_text": self.same_text, "outputs": self.outputs}  # fmt: skip
+
+
+def summarize(rounds: list[list[Run]], categories: list[str]) -> list[Summary]:
+    """Per engine: medians over the rounds; same text counted in the first round (greedy)."""
+    out = []
+    for i, run in enumerate(rounds[0]):
+        mine = [r[i] for r in rounds]
+        ratios = [r[i].rate() / r[0].rate() if r[0].rate() else 0.0 for r in rounds]
+        same = sum(a.strip() == b.strip() for a, b in zip(run.texts, rounds[0][0].texts, strict=True))
+        out.append(
+            Summary(
+                run.name,
+                statistics.median(m.rate() for m in mine),
+                {c: statistics.median(m.rate(c) for m in mine) for c in categories},
+                statistics.median(ratios),
+                ratios,
+                same,
+                len(run.texts),
+            )
+        )
+    return out
+
+
+def table(summaries: list[Summary], categories: list[str]) -> str:
     head = (
         f"| {'engine, method':<34} | "
         + " | ".join(f"{c[:12]:>12}" for c in categories)
         + " | overall | × llama.cpp | same text |"
     )
     lines = [head, "|" + "---|" * (len(categories) + 4)]
-    for run in runs:
-        rates = " | ".join(f"{run.rate(c):12.1f}" for c in categories)
-        same = sum(a.strip() == b.strip() for a, b in zip(run.texts, base.texts, strict=True))
+    for s in summaries:
+        rates = " | ".join(f"{s.rate_by_category[c]:12.1f}" for c in categories)
         lines.append(
-            f"| {run.name:<34} | {rates} | {run.rate():7.1f} | {run.rate() / base.rate():10.2f} "
-            f"| {same}/{len(base.texts)} |"
+            f"| {s.name:<34} | {rates} | {s.rate:7.1f} | {s.ratio:10.2f} | {s.same_text}/{s.outputs} |"
         )
+    if len(summaries[0].ratio_runs) > 1:
+        lines.append(f"medians of {len(summaries[0].ratio_runs)} runs; × llama.cpp run by run:")
+        lines += [f"  {s.name}: " + " ".join(f"{r:.2f}" for r in s.ratio_runs) for s in summaries[1:]]
     return "\n".join(lines)
 
 
-def plot(runs: list[Run], categories: list[str], file: str) -> None:
-    series = [(run.name, [run.rate(c) for c in categories] + [run.rate()]) for run in runs]
+def plot(summaries: list[Summary], categories: list[str], file: str) -> None:
+    series = [(s.name, [s.rate_by_category[c] for c in categories] + [s.rate]) for s in summaries]
     draw(file, [Panel("output tokens/s (one request at a time)", [*categories, "overall"], series)])
 
 
 def main_args(args: argparse.Namespace) -> None:
+    if args.repeats < 1:
+        raise SpecDecodeError(f"--repeats must be >= 1, got {args.repeats}")
     threads = args.threads or torch.get_num_threads()
     args.threads = threads
     torch.set_num_threads(threads)
@@ -154,7 +213,9 @@ def main_args(args: argparse.Namespace) -> None:
     ]
     categories = sorted({c for c, _ in prompts})
     specs = args.spec if args.spec is not None else [{"method": "prompt_lookup"}]
-    runs = run_llama_cpp(path, prompts, args) + run_ours(llm, prompts, specs, args)
+    warm = prompts[0][1]
+    engines = llama_cpp_engines(path, args, warm) + our_engines(llm, specs, args, warm)
+    summaries = summarize(run_interleaved(engines, prompts, args.repeats), categories)
     kernels = llm.model.kernels
     quant = kernels.quant.name if kernels.quant is not None else "none: dequantized"
     print(
@@ -162,11 +223,11 @@ def main_args(args: argparse.Namespace) -> None:
         f"specdecode kernels {kernels.name}, quantized {quant}, dtype {args.dtype}, "
         f"activations {args.activations}"
     )
-    print(table(runs, categories))
+    print(table(summaries, categories))
     if args.json:
-        Path(args.json).write_text(json.dumps([r.as_dict(categories) for r in runs], indent=2) + "\n")
+        Path(args.json).write_text(json.dumps([s.as_dict() for s in summaries], indent=2) + "\n")
     if args.plot:
-        plot(runs, categories, args.plot)
+        plot(summaries, categories, args.plot)
         print(f"plot written to {args.plot}")
 
 
@@ -175,6 +236,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-category", type=int, default=2, help="questions per category")
     p.add_argument("--categories", nargs="*", default=None, help="only these categories")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=1, help="run the questions N times and report medians")
     p.add_argument(
         "--spec", type=json.loads, action="append", default=None,
         help="a specdecode method as JSON, besides plain decoding (repeatable; default prompt lookup)",
