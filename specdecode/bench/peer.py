@@ -32,7 +32,7 @@ import torch
 
 from specdecode.bench.plots import Panel, draw
 from specdecode.bench.specbench import DEFAULT_QUESTIONS, load_questions
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import SpecDecodeError, require_positive
 from specdecode.llm import LLM
 from specdecode.models.registry import REGISTRY, gguf_path
 from specdecode.sampling import SamplingParams
@@ -197,8 +197,7 @@ def plot(summaries: list[Summary], categories: list[str], file: str) -> None:
 
 
 def main_args(args: argparse.Namespace) -> None:
-    if args.repeats < 1:
-        raise SpecDecodeError(f"--repeats must be >= 1, got {args.repeats}")
+    require_positive(args, "repeats")
     threads = args.threads or torch.get_num_threads()
     args.threads = threads
     torch.set_num_threads(threads)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import require_positive
 from specdecode.llm import LLM
 from specdecode.models.latency import forward_seconds
 from specdecode.sampling import SamplingParams
@@ -287,9 +287,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main_args(args: argparse.Namespace) -> None:
-    for name in ("new_tokens", "repeats"):
-        if getattr(args, name) < 1:
-            raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    require_positive(args, "new_tokens", "repeats")
     report = run(
         args.model, args.dtype, args.new_tokens, args.repeats, args.threads, args.device, args.compile
     )

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import SpecDecodeError, require_positive
 from specdecode.llm import LLM
 from specdecode.sampling import SamplingParams
 from specdecode.spec_config import (
@@ -420,8 +420,7 @@ def specs_from_args(args: argparse.Namespace) -> list[SpecConfig | None]:
 
 
 def main_args(args: argparse.Namespace) -> None:
-    if args.repeats < 1:
-        raise SpecDecodeError(f"--repeats must be >= 1, got {args.repeats}")
+    require_positive(args, "repeats")
     specs = specs_from_args(args)
     llm = LLM(
         model=args.model,

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.medusa import best_tree
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import SpecDecodeError, require_positive
 from specdecode.layers import bind_kernels
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.models.transformer import Transformer
@@ -621,9 +621,7 @@ def settings_from_args(cls: type[Settings], args: argparse.Namespace) -> Setting
     with a flag of the same name), after applying --threads."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    for name in ("max_conversations", "max_len", "epochs", "batch_size", "save_every"):
-        if getattr(args, name) < 1:
-            raise SpecDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    require_positive(args, "max_conversations", "max_len", "epochs", "batch_size", "save_every")
     if args.skip_conversations < 0:
         raise SpecDecodeError(f"--skip-conversations must be >= 0, got {args.skip_conversations}")
     for name, flag in cls.flags().items():
