@@ -58,6 +58,17 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's index of its largest value, (M, V) -> M ints: `logits.argmax(-1).tolist()`, ties
+    and NaN resolved as there (the first maximal index; a NaN counts as the largest). Greedy
+    decoding takes one per verified row. On a CPU through numpy, which gives the same indices:
+    torch's CPU argmax took ~120 us a row over SmolLM2's 49k vocabulary (as long as the LM head's
+    product of a draft row), numpy's ~5 us."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64, torch.float16):
+        return logits.detach().numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """(..., V) logits -> (..., V) float32 probabilities of the target distribution (not for greedy)."""
     logits = logits.float() / params.temperature

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from specdecode.sampling import argmax_rows
 from specdecode.tree import DraftTree
 
 
@@ -75,7 +76,7 @@ def verify_greedy(tree: DraftTree, target_logits: Tensor) -> Verdict:
     first maximal index).
     """
     _check_rows(tree, target_logits, "target_logits")
-    return greedy_walk(tree, target_logits.argmax(dim=-1).tolist())
+    return greedy_walk(tree, argmax_rows(target_logits))
 
 
 def greedy_walk(tree: DraftTree, best: Sequence[int]) -> Verdict:

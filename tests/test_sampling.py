@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdecode.errors import SpecDecodeError
-from specdecode.sampling import SamplingParams, logits_to_probs, token_logprobs
+from specdecode.sampling import SamplingParams, argmax_rows, logits_to_probs, token_logprobs
 
 
 @pytest.mark.parametrize(
@@ -83,3 +83,20 @@ def test_seed_makes_sampling_reproducible(tiny_model_dir) -> None:
 
     assert run(1) == run(1)
     assert run(1) != run(2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_argmax_rows_resolves_as_torch_argmax(dtype: torch.dtype) -> None:
+    """Greedy tokens come from `argmax_rows` (numpy's argmax on a CPU): the same index as
+    `torch.argmax` for ties (the first), NaN (counted largest), infinities and all -inf rows."""
+    nan, inf = float("nan"), float("inf")
+    special = torch.tensor(
+        [[1.0, 3.0, 3.0, 2.0], [1.0, nan, 5.0, nan], [-inf, -inf, -inf, -inf], [inf, 1.0, inf, 0.0]]
+    )
+    g = torch.Generator().manual_seed(0)
+    ties = torch.randint(0, 4, (64, 300), generator=g).float()  # many equal maxima a row
+    wide = torch.randn(5, 49152, generator=g)
+    for rows in (special, ties, wide):
+        rows = rows.to(dtype)
+        assert argmax_rows(rows) == rows.argmax(-1).tolist()
+        assert argmax_rows(rows[:1]) == [int(rows[0].argmax())]

@@ -33,7 +33,7 @@ from specdecode.kv_cache import SequenceCache
 from specdecode.layers.lm_head import DraftHead
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.models.transformer import Transformer
-from specdecode.sampling import logits_to_probs, sample
+from specdecode.sampling import argmax_rows, logits_to_probs, sample
 from specdecode.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -175,7 +175,7 @@ class DraftModelDrafter(Drafter):
         for i in range(k):
             logits = self._logits(hidden)  # (Vs,)
             if greedy:
-                token = int(logits.argmax())
+                token = argmax_rows(logits[None])[0]
             else:
                 q = logits_to_probs(logits, req.params)  # (Vs,)
                 token = self._draw(q, req.generator)

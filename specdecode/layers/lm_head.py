@@ -17,6 +17,7 @@ from torch import Tensor
 
 from specdecode.kernels import REFERENCE, TORCH_LINEAR, Kernels, LinearKernel, QuantWeight, quantize
 from specdecode.layers.linear import Dense, Embedding
+from specdecode.sampling import argmax_rows
 
 # The block format drafters' copies of a stored head (and their own layers, beside a target that
 # runs as stored) are held in: a byte a weight, read once per draft depth.
@@ -180,7 +181,7 @@ class LMHead:
         resolved when first read: a verifier walking a draft tree reads only its accepted path."""
         flat = hidden.reshape(-1, hidden.shape[-1])
         if not self.approximates or self.weight_t().dtype != torch.float32:
-            return self.logits(flat).argmax(-1).tolist()
+            return argmax_rows(self.logits(flat))
         return GreedyRows(self, flat)
 
 
@@ -214,8 +215,8 @@ class GreedyRows(Sequence[int]):
         if token is None:
             idx = self._candidates[r].nonzero().squeeze(1)  # (K,) ascending: ties go to the lowest id
             if idx.numel() > 256:
-                token = int((self._x[r] @ self._head_t).argmax())
+                token = argmax_rows((self._x[r] @ self._head_t)[None])[0]
             else:
-                token = int(idx[(self._x[r] @ self._head_t[:, idx]).argmax()])
+                token = int(idx[argmax_rows((self._x[r] @ self._head_t[:, idx])[None])[0]])
             self._tokens[r] = token
         return token
