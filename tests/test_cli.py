@@ -260,3 +260,21 @@ def test_bench_peer_takes_turns_and_reports_medians_of_within_run_ratios(tmp_pat
     png = tmp_path / "peer.png"
     plot(summaries, ["qa", "rag"], str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_peer_explains_a_llama_cpp_build_this_cpu_cannot_run(tmp_path: Path) -> None:
+    """bench-peer loads the GGUF in llama.cpp in a child process first: a build for instructions
+    the CPU lacks dies of SIGILL (an Intel Xeon's native build did), which in-process would kill
+    the benchmark unexplained; it gets a clear error saying how to rebuild, and a load that fails
+    otherwise names the failure. (Stand-in child processes: llama.cpp is an optional extra.)"""
+    from specdecode.bench.peer import check_llama_runs
+    from specdecode.errors import SpecDecodeError
+
+    model = tmp_path / "m.gguf"
+    dies = "import os, signal; print({path!r}); os.kill(os.getpid(), signal.SIGILL)"
+    with pytest.raises(SpecDecodeError, match=r"died of SIGILL running m\.gguf.*GGML_NATIVE=OFF"):
+        check_llama_runs(model, dies)
+    fails = "import sys; sys.exit('failed to load model from ' + {path!r})"
+    with pytest.raises(SpecDecodeError, match=r"could not load m\.gguf: failed to load model from .*m\.gguf"):
+        check_llama_runs(model, fails)
+    check_llama_runs(model, "assert {path!r}.endswith('m.gguf')")  # loads: no error

@@ -19,8 +19,12 @@ kernels ran on is printed with the table.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import signal
 import statistics
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -63,15 +67,48 @@ class Run:
         return sum(self.tokens[c] for c in cats) / seconds if seconds else 0.0
 
 
+NEEDS_PEER = (
+    "bench-peer needs llama-cpp-python: pip install 'specdecode[peer]' (it builds llama.cpp for this "
+    "machine, several minutes)"
+)
+# How to build llama.cpp for the instruction sets alone, not for what the compiler sees on this CPU.
+PORTABLE_BUILD = (
+    'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON [-DGGML_AVX512=ON '
+    '-DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON]" pip install --force-reinstall --no-deps --no-cache-dir '
+    "llama-cpp-python"
+)
+# Load a GGUF and evaluate two tokens: what a build whose instructions the CPU refuses dies on.
+PROBE = (
+    "from llama_cpp import Llama; m = Llama(model_path={path!r}, n_ctx=64, n_threads=1, verbose=False); "
+    "m.eval(m.tokenize(b'Hello'))"
+)
+
+
+def check_llama_runs(path: Path, probe: str = PROBE) -> None:
+    """Load `path` in llama.cpp once in a child process first. A llama-cpp-python built for
+    instructions this CPU does not run dies by a signal (SIGILL: on an Intel Xeon with AMX, session
+    31, its native build did on the first model it ran), which would take the benchmark with it,
+    unexplained."""
+    code = probe.format(path=str(path))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    if proc.returncode < 0:
+        name = signal.Signals(-proc.returncode).name
+        raise SpecDecodeError(
+            f"llama.cpp died of {name} running {path.name} (in a test process): its build uses "
+            f"instructions this CPU does not run. Rebuild it for the instruction sets alone (the bracketed "
+            f"flags only where the CPU has AVX-512): {PORTABLE_BUILD}"
+        )
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        raise SpecDecodeError(f"llama.cpp could not load {path.name}: {last}")
+
+
 def _llama(path: Path, threads: int, lookup: bool) -> Any:
     try:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     except ImportError:
-        raise SpecDecodeError(
-            "bench-peer needs llama-cpp-python: pip install 'specdecode[peer]' (it builds llama.cpp "
-            "for this machine, several minutes)"
-        ) from None
+        raise SpecDecodeError(NEEDS_PEER) from None
     draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None
     # logits_all: without it, llama-cpp-python 0.3.36's prompt lookup fails on prompts over 512 tokens
     return Llama(
@@ -82,6 +119,9 @@ def _llama(path: Path, threads: int, lookup: bool) -> Any:
 
 def llama_cpp_engines(path: Path, args: argparse.Namespace, warm: list[int]) -> list[tuple[str, Engine]]:
     """llama.cpp plain and with its prompt lookup, each a loaded instance, warmed up on `warm`."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise SpecDecodeError(NEEDS_PEER)
+    check_llama_runs(path)
     engines: list[tuple[str, Engine]] = []
     for lookup in (False, True):
         llama = _llama(path, args.threads, lookup)
