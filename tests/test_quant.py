@@ -173,19 +173,21 @@ def test_a_drafts_prompt_rows_in_int8(isa: str, fmt: str) -> None:
         assert torch.equal(decoding, exact.matmul(noisy, weight))
 
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
-def test_avx512_without_vnni_gives_the_same_int8_sums(fmt: str) -> None:
+@pytest.mark.parametrize("isa, flag", [("avx512", "avx512_vnni"), ("avx2", "avx_vnni")])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_builds_without_vnni_give_the_same_int8_sums(isa: str, flag: str, fmt: str) -> None:
     """Where the CPU has AVX512-VNNI the AVX-512 build sums a draft's int8 rows with `vpdpbusd`
     (and, with AVX512-VBMI, spreads Q4_K's and Q6_K's quads with byte permutes and multishifts, and
-    takes Q8_0's quants from three rows on as unsigned q + 128 with -128 sum(x) added back);
-    built without them (a CPU that lacks them), with `vpmaddubsw` pairs added in int16 and shifts
-    and masks: the same integer sums, so the same bits."""
-    vnni = quant_kernel("avx512")
-    if vnni is None or "avx512_vnni" not in build.cpu_flags():
-        pytest.skip("needs an AVX-512 CPU with AVX512-VNNI")
-    lib = cpu_isa.library("avx512", optional=False)
+    takes Q8_0's quants from three rows on as unsigned q + 128 with -128 sum(x) added back); where
+    it has AVX-VNNI the AVX2 build does with its 256-bit `vpdpbusd`. Built without them (a CPU that
+    lacks them), with `vpmaddubsw` pairs added in int16 and shifts and masks: the same integer
+    sums, so the same bits."""
+    vnni = quant_kernel(isa)
+    if vnni is None or flag not in build.cpu_flags():
+        pytest.skip(f"needs a CPU that runs the {isa} build and has {flag}")
+    lib = cpu_isa.library(isa, optional=False)
     assert lib is not None
-    plain = QuantCPU("avx512", lib).approximate()
+    plain = QuantCPU(isa, lib).approximate()
     weight = vnni.pack(random_weight(fmt, 40, 768, seed=11))
     x = torch.randn(9, 768, generator=torch.Generator().manual_seed(12))
     want = vnni.approximate().matmul(x, weight, prefill=True)

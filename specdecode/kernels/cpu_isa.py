@@ -40,9 +40,13 @@ _BUILDS = {  # compiler flags of each instruction set's build
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
     "generic": (),
 }
-# Used where the CPU has them: AVX512-VNNI's int8 dot products (int8 rows: `quant.py`), and
-# AVX512-VBMI's byte permutes and multishifts (Q4_K's and Q6_K's int8 decoding rows).
-_OPTIONAL = {"avx512": (("avx512_vnni", "-mavx512vnni"), ("avx512vbmi", "-mavx512vbmi"))}
+# Used where the CPU has them: AVX512-VNNI's int8 dot products (int8 rows: `quant.py`), AVX512-VBMI's
+# byte permutes and multishifts (Q4_K's and Q6_K's int8 decoding rows), and for the AVX2 build
+# AVX-VNNI's 256-bit dot products (CPUs without AVX-512: Intel's client chips, AMD's Zen 5).
+_OPTIONAL = {
+    "avx512": (("avx512_vnni", "-mavx512vnni"), ("avx512vbmi", "-mavx512vbmi")),
+    "avx2": (("avx_vnni", "-mavxvnni"),),
+}
 HEAD_DIMS = (16, 32, 64, 128)  # head sizes the row attention is built for
 # quant_gemm.cpp's arithmetic of a product's rows: a decoding step's (each row's result the same in
 # any batch), a prompt's (float32 activations), a draft's prompt (int8 activations), a draft's

@@ -171,11 +171,23 @@ inline int32_t word4(const int8_t* x) {  // four int8, as one little-endian word
     std::memcpy(&v, x, 4);
     return v;
 }
+// `vpdpbusd` on 8 lanes: AVX512-VNNI's, or AVX-VNNI's (the same instruction VEX-encoded, on CPUs
+// without AVX-512: Intel's client chips from Alder Lake on, AMD's from Zen 5; an optional flag of
+// the AVX2 build), the same sums as `vpmaddubsw` pairs widened.
+#if defined(__AVX512VNNI__)
+#define VNNI256 1
+inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+#define VNNI256 1
+inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+#define VNNI256 0
+#endif
 #if defined(__AVX2__)
 inline __m256i dot4s(__m256i acc, __m256i w, __m256i x) {  // `dot4s` on 8 lanes
     const __m256i a = _mm256_abs_epi8(w), sx = _mm256_sign_epi8(x, w);
-#if defined(__AVX512VNNI__)
-    return _mm256_dpbusd_epi32(acc, a, sx);
+#if VNNI256
+    return dpbusd256(acc, a, sx);
 #else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, sx), _mm256_set1_epi16(1)));
 #endif
@@ -238,8 +250,13 @@ inline VI widen_add(VI acc, P p) {
     const __m256i one = _mm256_set1_epi16(1);
     return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(p.lo, one)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(p.hi, one))};
 }
+#if VNNI256
+constexpr bool VNNI = true;
+inline VI dot4(VI acc, W8 w, X4 x) { return {dpbusd256(acc.lo, w.lo, x.v), dpbusd256(acc.hi, w.hi, x.v)}; }
+#else
 constexpr bool VNNI = false;
 inline VI dot4(VI acc, W8 w, X4 x) { return widen_add(acc, pairs(w, x)); }
+#endif
 inline VI dot4s(VI acc, W8 w, X4 x) { return {dot4s(acc.lo, w.lo, x.v), dot4s(acc.hi, w.hi, x.v)}; }
 #else
 inline VI to_int(V a) {
@@ -1252,7 +1269,7 @@ __attribute__((noinline)) void int8_pair_rows(const int8_t* xp, const float* xd,
 #pragma GCC unroll 8
         for (int p = 0; p < 8; ++p) {
             __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp.q + 32 * p));
-#if defined(__AVX512VNNI__)
+#if VNNI256
             v = _mm256_permute4x64_epi64(v, 0xD8);  // per half: 8 outputs' bytes of step 2p, then 2p + 1
             const __m256i l = _mm256_and_si256(v, low), h = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             const __m256i even = _mm256_unpacklo_epi8(l, h), odd = _mm256_unpackhi_epi8(l, h);
@@ -1261,7 +1278,7 @@ __attribute__((noinline)) void int8_pair_rows(const int8_t* xp, const float* xd,
                 int32_t quad;
                 std::memcpy(&quad, xp + r * K + 32 * g + 4 * p, 4);
                 const __m256i x = _mm256_set1_epi32(quad);
-                for (int c = 0; c < 2; ++c) acc[r][c] = _mm256_dpbusd_epi32(acc[r][c], u[c], x);
+                for (int c = 0; c < 2; ++c) acc[r][c] = dpbusd256(acc[r][c], u[c], x);
             }
 #else
             const __m256i l = _mm256_and_si256(v, low), h = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -1274,7 +1291,7 @@ __attribute__((noinline)) void int8_pair_rows(const int8_t* xp, const float* xd,
         }
         for (int r = 0; r < R; ++r) {
             __m256i half[2];
-#if defined(__AVX512VNNI__)
+#if VNNI256
             half[0] = _mm256_permute2x128_si256(acc[r][0], acc[r][1], 0x20);
             half[1] = _mm256_permute2x128_si256(acc[r][0], acc[r][1], 0x31);
 #else
