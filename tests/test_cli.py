@@ -266,7 +266,7 @@ def test_bench_peer_explains_a_llama_cpp_build_this_cpu_cannot_run(tmp_path: Pat
     """bench-peer loads the GGUF in llama.cpp in a child process first: a build for instructions
     the CPU lacks dies of SIGILL (an Intel Xeon's native build did), which in-process would kill
     the benchmark unexplained; it gets a clear error saying how to rebuild, and a load that fails
-    otherwise names the failure. (Stand-in child processes: llama.cpp is an optional extra.)"""
+    otherwise, or hangs, names the failure. (Stand-in child processes: llama.cpp is an optional extra.)"""
     from specdecode.bench.peer import check_llama_runs
     from specdecode.errors import SpecDecodeError
 
@@ -277,4 +277,6 @@ def test_bench_peer_explains_a_llama_cpp_build_this_cpu_cannot_run(tmp_path: Pat
     fails = "import sys; sys.exit('failed to load model from ' + {path!r})"
     with pytest.raises(SpecDecodeError, match=r"could not load m\.gguf: failed to load model from .*m\.gguf"):
         check_llama_runs(model, fails)
+    with pytest.raises(SpecDecodeError, match=r"took over 0.5 s to load m\.gguf"):
+        check_llama_runs(model, "import time; time.sleep(30)", timeout=0.5)
     check_llama_runs(model, "assert {path!r}.endswith('m.gguf')")  # loads: no error

@@ -84,13 +84,18 @@ PROBE = (
 )
 
 
-def check_llama_runs(path: Path, probe: str = PROBE) -> None:
+def check_llama_runs(path: Path, probe: str = PROBE, timeout: float = 900.0) -> None:
     """Load `path` in llama.cpp once in a child process first. A llama-cpp-python built for
     instructions this CPU does not run dies by a signal (SIGILL: on an Intel Xeon with AMX, session
     31, its native build did on the first model it ran), which would take the benchmark with it,
     unexplained."""
     code = probe.format(path=str(path))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise SpecDecodeError(
+            f"llama.cpp took over {timeout:g} s to load {path.name} (in a test process)"
+        ) from None
     if proc.returncode < 0:
         name = signal.Signals(-proc.returncode).name
         raise SpecDecodeError(
