@@ -351,3 +351,32 @@ def test_sets_below_avx512_multiply_float_and_bf16_weights_row_by_row(isa: str) 
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), x.to(dtype).float() @ w.float(), rtol=1e-2, atol=1e-2)
         assert torch.equal(kernel.matmul(x[4:5].to(dtype), packed)[0], got[4])
+
+
+def test_a_compiler_without_an_extensions_flag_gets_the_build_without_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The optional extensions (AVX512-VNNI and VBMI, AVX-VNNI) are compiled in where the CPU has
+    them; a compiler that refuses their flags (-mavxvnni needs GCC 11) must not cost the whole
+    instruction set: the build is made again without them."""
+    from specdecode.kernels import cpu_isa
+
+    isa = next((i for i in ("avx512", "avx2") if cpu_isa._OPTIONAL[i] and build.isa_runs_here(i)), None)
+    wanted = {
+        flag for cpu_flag, flag in cpu_isa._OPTIONAL.get(isa or "", ()) if cpu_flag in build.cpu_flags()
+    }
+    if isa is None or not wanted:
+        pytest.skip("needs a CPU with one of the builds' optional extensions")
+    real = build.load
+    asked: list[tuple[str, ...]] = []
+
+    def old_compiler(name: str, sources: tuple, flags: tuple[str, ...]) -> object:
+        asked.append(flags)
+        return None if wanted & set(flags) else real(name, sources, flags)
+
+    monkeypatch.setattr(build, "load", old_compiler)
+    lib = cpu_isa.library.__wrapped__(isa)
+    assert lib is not None and len(asked) == 2
+    assert wanted <= set(asked[0]) and not wanted & set(asked[1])
+    plain = cpu_isa.library(isa, optional=False)
+    assert plain is not None and lib._name == plain._name  # the same library file: no extensions

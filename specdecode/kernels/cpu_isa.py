@@ -65,13 +65,16 @@ def layout(lib: ctypes.CDLL) -> str:
 def library(isa: str, optional: bool = True) -> ctypes.CDLL | None:
     """The `isa` build of the kernels, or None where it cannot be had (no compiler, or the CPU
     cannot run it). `optional` False leaves out the extensions it would use where the CPU has
-    them (tests: the paths of CPUs without them)."""
+    them (tests: the paths of CPUs without them); a compiler that cannot build them gets the build
+    without them."""
     if not build.isa_runs_here(isa):
         return None
     extras = _OPTIONAL.get(isa, ()) if optional else ()
     optional_flags = [flag for cpu_flag, flag in extras if cpu_flag in build.cpu_flags()]
-    flags = ("-std=c++20", "-ffp-contract=fast", *_BUILDS[isa], *optional_flags)
-    lib = build.load(f"cpu-{isa}", _SOURCES, flags)
+    flags = ("-std=c++20", "-ffp-contract=fast", *_BUILDS[isa])
+    lib = build.load(f"cpu-{isa}", _SOURCES, (*flags, *optional_flags))
+    if lib is None and optional_flags:  # a compiler without an extension's flag (-mavxvnni: GCC 11)
+        lib = build.load(f"cpu-{isa}", _SOURCES, flags)
     if lib is None:
         return None
     p, i, f, n = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
