@@ -109,11 +109,10 @@ def check_llama_runs(path: Path, probe: str = PROBE, timeout: float = 900.0) -> 
 
 
 def _llama(path: Path, threads: int, lookup: bool) -> Any:
-    try:
-        from llama_cpp import Llama
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-    except ImportError:
-        raise SpecDecodeError(NEEDS_PEER) from None
+    """A loaded llama.cpp instance (after `check_llama_runs`, which already imported it)."""
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
     draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None
     # logits_all: without it, llama-cpp-python 0.3.36's prompt lookup fails on prompts over 512 tokens
     return Llama(
