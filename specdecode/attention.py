@@ -174,6 +174,7 @@ class AttentionPlan:
         seg: Segment, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         keys, values = seg.cache.write(layer, k, v, seg.start)  # (B, H_kv, start+T, D)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # a cache kept in another precision
         gqa = q.shape[1] != k.shape[1]
         if seg.mask is None and seg.length > 1:  # start == 0: a fresh causal chain
             return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
@@ -281,10 +282,10 @@ class StaticPlan:
             )  # fmt: skip
             return out.transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        keys.index_copy_(1, self.new_slots, k[0])
-        values.index_copy_(1, self.new_slots, v[0])
-        seen_k = keys.index_select(1, self.gather)[None]  # (1, H_kv, S, D)
-        seen_v = values.index_select(1, self.gather)[None]
+        keys.index_copy_(1, self.new_slots, k[0].to(keys.dtype))
+        values.index_copy_(1, self.new_slots, v[0].to(values.dtype))
+        seen_k = keys.index_select(1, self.gather)[None].to(q.dtype)  # (1, H_kv, S, D)
+        seen_v = values.index_select(1, self.gather)[None].to(q.dtype)
         gqa = q.shape[1] != k.shape[1]
         return F.scaled_dot_product_attention(q, seen_k, seen_v, attn_mask=self.mask, enable_gqa=gqa)
 

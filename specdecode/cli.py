@@ -53,6 +53,16 @@ def add_activations_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_kv_cache_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "float16"],
+        help="what the KV cache keeps keys and values in: auto (the model's dtype) or float16 (half "
+        "the bytes, as llama.cpp's default; CPU)",
+    )
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="short name, .gguf file, HF directory or hub id")
     p.add_argument(
@@ -252,6 +262,7 @@ def _load_llm(args: argparse.Namespace, speculative: object) -> LLM:
         device=args.device,
         speculative=speculative,
         num_threads=args.threads,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
@@ -349,6 +360,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         max_batch_tokens=args.max_batch_tokens,
         policy=args.policy,
         speculative=args.speculative,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     scale_out = (args.replicas, args.min_replicas, args.max_replicas, args.ray_address) != (None,) * 4
     if scale_out:
@@ -392,6 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(gen)
     add_quantization_arg(gen)
     add_activations_arg(gen)
+    add_kv_cache_arg(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_sampling_args(gen)
@@ -427,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_model_args(bench)
         if name in ("specbench", "peer"):  # the benchmarks that compare speeds of one model's runs
             add_activations_arg(bench)
+            add_kv_cache_arg(bench)
         importlib.import_module(module).add_args(bench)
         bench.set_defaults(func=_main_of(module))
 
@@ -434,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(srv)
     add_quantization_arg(srv)
     add_activations_arg(srv)
+    add_kv_cache_arg(srv)
     srv.add_argument(
         "--speculative",
         type=_speculative_json,

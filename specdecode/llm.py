@@ -67,8 +67,10 @@ class LLM:
     The engine's settings, as vLLM names them: `max_num_seqs` requests decode together,
     `max_num_batched_tokens` rows per target forward, `kv_cache_memory` bytes of KV blocks (None:
     a share of the memory available), `enable_prefix_caching` reuses the KV blocks of shared
-    prompt prefixes. `speculation_policy` (on, as in the server) lets the load policy choose each
-    step how many draft tokens each request verifies, from this machine's measured cost of a
+    prompt prefixes, `kv_cache_dtype` ("auto": the model's dtype; "float16" on a CPU: half the
+    bytes, keys and values rounded once as they are stored) is what the cache keeps them in.
+    `speculation_policy` (on, as in the server) lets the load policy choose each step how many
+    draft tokens each request verifies, from this machine's measured cost of a
     forward and the acceptance seen so far: short drafts where the weights are cheap to read but
     rows cost their arithmetic (quantized weights on a CPU), none for a wide batch unless they pay.
     Greedy outputs are the same either way; a seeded sampled request always drafts its method's
@@ -91,6 +93,7 @@ class LLM:
         speculation_policy: bool = True,
         quantization: str | None = None,
         activations: str = "float32",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if num_threads is not None:
             if num_threads < 1:
@@ -105,6 +108,7 @@ class LLM:
             prefix_caching=enable_prefix_caching,
             policy=speculation_policy,
             speculative=self.speculative,
+            kv_cache_dtype=kv_cache_dtype,
         )
         path = resolve_model(model, progress=progress)
         self.tokenizer = Tokenizer.from_dir(path)

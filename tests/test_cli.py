@@ -138,11 +138,11 @@ def test_spec_bench_categories_may_name_an_mt_bench_sub_category(tmp_path: Path)
 
 def test_spec_bench_can_turn_the_load_policy_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """`specdecode bench --no-policy` times every step drafting its method's whole proposal;
-    `--activations int8` reaches the LLM."""
+    `--activations int8` and `--kv-cache-dtype float16` reach the LLM."""
     import argparse
 
     from specdecode.bench import specbench
-    from specdecode.cli import add_activations_arg, add_model_args
+    from specdecode.cli import add_activations_arg, add_kv_cache_arg, add_model_args
 
     made: list[dict[str, object]] = []
 
@@ -154,15 +154,18 @@ def test_spec_bench_can_turn_the_load_policy_off(monkeypatch: pytest.MonkeyPatch
         raise Stop
 
     monkeypatch.setattr(specbench, "LLM", fake_llm)
-    for flags, want in (([], True), (["--no-policy"], False), (["--activations", "int8"], True)):
+    cases = (([], True), (["--no-policy"], False), (["--activations", "int8"], True))
+    for flags, want in (*cases, (["--kv-cache-dtype", "float16"], True)):
         parser = argparse.ArgumentParser()
         add_model_args(parser)
         add_activations_arg(parser)  # as the CLI registers `bench`
+        add_kv_cache_arg(parser)
         specbench.add_args(parser)
         with pytest.raises(Stop):
             specbench.main_args(parser.parse_args(["--model", "tiny", "--method", "prompt_lookup", *flags]))
         assert made[-1]["speculation_policy"] is want
         assert made[-1]["activations"] == ("int8" if "int8" in flags else "float32")
+        assert made[-1]["kv_cache_dtype"] == ("float16" if "float16" in flags else "auto")
 
 
 def test_spec_bench_reports_decoding_apart_from_prefill(

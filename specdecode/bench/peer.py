@@ -249,7 +249,13 @@ def main_args(args: argparse.Namespace) -> None:
     if path.suffix != ".gguf" or not path.is_file():
         raise SpecDecodeError(f"bench-peer compares on a GGUF file: {args.model} is not one")
     # a short name finds its shipped heads
-    llm = LLM(args.model, dtype=args.dtype, activations=args.activations, progress=False)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        activations=args.activations,
+        progress=False,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     questions = load_questions(args.questions, args.per_category, args.categories)
     prompts = [
         (q["category"], llm.chat_prompt([{"role": "user", "content": q["turns"][0]}])) for q in questions

@@ -429,6 +429,7 @@ def main_args(args: argparse.Namespace) -> None:
         device=args.device,
         num_threads=args.threads,
         speculation_policy=args.policy,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     questions = load_questions(args.questions, args.per_category or None, args.categories)
     results = []

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from specdecode.errors import SpecDecodeError
 from specdecode.spec_config import SpecConfig, parse_speculative
 
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
+
 
 def _positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -26,7 +28,10 @@ class EngineConfig:
     measured on this model when the engine starts. `prefix_caching`: reuse full KV blocks across
     requests sharing a token prefix. `speculative`: the method for requests that do not say.
     `cuda_graphs`: on a GPU, replay decoding and verification forwards from captured CUDA graphs
-    (`engine.graphs`); off, every forward launches its kernels one by one.
+    (`engine.graphs`); off, every forward launches its kernels one by one. `kv_cache_dtype`: what
+    the target's keys and values are kept in: "auto" (the model's dtype), "float32" or "float16"
+    (half the bytes to read at each step and to hold, as llama.cpp's default f16 cache; attention
+    still computes in the model's dtype, on keys and values rounded to float16 once when stored).
     """
 
     block_size: int = 16
@@ -39,6 +44,7 @@ class EngineConfig:
     latency_curve: tuple[tuple[int, float], ...] | None = None
     prefix_caching: bool = True
     cuda_graphs: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -52,6 +58,10 @@ class EngineConfig:
         for name in ("policy", "prefix_caching", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecDecodeError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise SpecDecodeError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         object.__setattr__(self, "speculative", parse_speculative(self.speculative))
         if self.latency_curve is not None:
             points = tuple((int(t), float(s)) for t, s in self.latency_curve)

@@ -212,9 +212,15 @@ class LLMEngine:
         self.eos_token_ids = list(eos_token_ids)
         self.device = self.model.device
         self.draft_storages: dict[Transformer, PagedKVStorage] = {}  # made at first use
+        self.kv_dtype = self._kv_dtype()
         num_blocks = self._num_blocks()
         self.storage = PagedKVStorage(
-            self.model.config, num_blocks, config.block_size, self.model.dtype, self.device
+            self.model.config,
+            num_blocks,
+            config.block_size,
+            self.model.dtype,
+            self.device,
+            kv_dtype=self.kv_dtype,
         )
         self.pool = self.storage.pool
         # Steps without prefill rows replay captured CUDA graphs (on a GPU, where the config allows).
@@ -236,13 +242,26 @@ class LLMEngine:
             )
         self.stats = EngineStats(kv_blocks_total=num_blocks)
 
+    def _kv_dtype(self) -> torch.dtype:
+        """The dtype of the target's keys and values (`EngineConfig.kv_cache_dtype`)."""
+        name = self.config.kv_cache_dtype
+        dtype = self.model.dtype if name == "auto" else getattr(torch, name)
+        if dtype != self.model.dtype and self.device.type != "cpu":
+            raise SpecDecodeError(
+                f"kv_cache_dtype {name} with a {str(self.model.dtype).removeprefix('torch.')} model runs on "
+                "the CPU only: on a GPU the cache is kept in the model's dtype (kv_cache_dtype='auto')"
+            )
+        return dtype
+
     def _num_blocks(self) -> int:
         """Blocks in the memory budget; by default a fraction of the memory free now, and no more
         than `max_num_seqs` requests of the model's full context could use. When the default
         speculative method drafts with a model, the budget holds that many blocks of the draft
         model too (its storage has as many blocks as the target's pool)."""
         cfg = self.config
-        per_block = PagedKVStorage.block_bytes(self.model.config, cfg.block_size, self.model.dtype)
+        per_block = PagedKVStorage.block_bytes(
+            self.model.config, cfg.block_size, self.model.dtype, kv_dtype=self.kv_dtype
+        )
         spec = cfg.speculative
         if isinstance(spec, DraftModelConfig | PromptLookupConfig) and spec.draft_model is not None:
             draft = self.drafters.draft_model(spec.draft_model, spec.draft_dtype)
@@ -261,16 +280,23 @@ class LLMEngine:
 
     def forward_seconds(self, widths: list[int], context: int, repeats: int) -> dict[int, list[float]]:
         """`models.latency.forward_seconds` as this engine runs its steps: through its CUDA graphs
-        for the widths they hold (where the pool has the blocks), the model's forward for others."""
+        for the widths they hold, the model's forward for others, over blocks of its own storage
+        (keys and values in its `kv_dtype`) where the pool has them free."""
         out: dict[int, list[float]] = {}
         graphed = [t for t in widths if self.graphs is not None and t <= self.graphs.max_rows]
         if graphed and self.pool.can_allocate(-(-(context + max(graphed)) // self.config.block_size)):
             assert self.graphs is not None
             out = self.graphs.seconds(graphed, context, repeats)
         rest = [t for t in widths if t not in out]
-        if rest:
-            out |= forward_seconds(self.model, rest, context, repeats)
-        return out
+        if not rest:
+            return out
+        if not self.pool.can_allocate(-(-(context + max(rest)) // self.config.block_size)):
+            return out | forward_seconds(self.model, rest, context, repeats)
+        cache = PagedCache(self.storage, context + max(rest), prefix_caching=False)
+        try:
+            return out | forward_seconds(self.model, rest, context, repeats, cache)
+        finally:
+            cache.release()
 
     # ---- requests ------------------------------------------------------------------------------
 

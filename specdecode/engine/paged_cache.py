@@ -38,7 +38,10 @@ class PagedKVStorage:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         hidden: bool = True,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        """Keys and values are kept in `kv_dtype` (`dtype`, the model's, where None), the hidden
+        states in `dtype`."""
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
         slots = num_blocks * block_size
@@ -48,20 +51,25 @@ class PagedKVStorage:
         # taken as blocks are used, not all at start.
         self.scratch = slots
         shape = (config.num_layers, config.num_kv_heads, slots + 1, config.head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k = torch.empty(shape, dtype=kv_dtype or dtype, device=device)
+        self.v = torch.empty(shape, dtype=kv_dtype or dtype, device=device)
         self.k[:, :, slots].zero_()
         self.v[:, :, slots].zero_()
         # (S_all, C) each slot's hidden state; None for a draft model's storage (nobody reads it)
         self.h = torch.empty(slots, config.hidden_size, dtype=dtype, device=device) if hidden else None
 
     @staticmethod
-    def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, hidden: bool = True) -> int:
-        """Bytes one block takes: keys and values of `block_size` tokens in every layer, and their
-        hidden states when kept."""
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim
-        return (kv + (config.hidden_size if hidden else 0)) * block_size * itemsize
+    def block_bytes(
+        config: ModelConfig,
+        block_size: int,
+        dtype: torch.dtype,
+        hidden: bool = True,
+        kv_dtype: torch.dtype | None = None,
+    ) -> int:
+        """Bytes one block takes: keys and values of `block_size` tokens in every layer (in
+        `kv_dtype`, else `dtype`), and their hidden states (in `dtype`) when kept."""
+        kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * (kv_dtype or dtype).itemsize
+        return (kv + (config.hidden_size * dtype.itemsize if hidden else 0)) * block_size
 
     @property
     def device(self) -> torch.device:
@@ -181,8 +189,8 @@ class PagedCache:
         end = start + k.shape[2]
         slots = self._slots[:end]  # (start+T,)
         keys, values = self.storage.k[layer], self.storage.v[layer]  # (H_kv, S_all, D)
-        keys[:, slots[start:]] = k[0]
-        values[:, slots[start:]] = v[0]
+        keys[:, slots[start:]] = k[0].to(keys.dtype)  # rounded where the cache is kept narrower
+        values[:, slots[start:]] = v[0].to(values.dtype)
         return keys.index_select(1, slots)[None], values.index_select(1, slots)[None]
 
     def write_hidden(self, start: int, rows: torch.Tensor) -> None:

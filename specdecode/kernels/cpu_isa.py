@@ -89,18 +89,20 @@ def library(isa: str, optional: bool = True) -> ctypes.CDLL | None:
     lib.specdecode_qrows.argtypes = [n, p, i, p, i, p]
     lib.specdecode_qrows.restype = n
     # q, k, v (pointer, head stride, row stride); caches, head stride; rows, slots, count; CSR;
-    # out, row stride; H, H_kv, D; scale; cos, sin; threads
+    # out, row stride; H, H_kv, D; scale; cos, sin; threads; whether the cache is float16
     lib.specdecode_attend_rows.argtypes = [p, i, i] * 3 + [p, p, i, p, p, i, p, p, p, i, i, i, i, f, p, p, n]
+    lib.specdecode_attend_rows.argtypes += [n]
     lib.specdecode_attend_rows.restype = n
     lib.specdecode_rms_norm.argtypes = [p, p, p, i, i, f]
     lib.specdecode_rms_norm.restype = None
     lib.specdecode_silu_mul.argtypes = [p, i, i, p]
     lib.specdecode_silu_mul.restype = None
     # records, layers; x, T, C, H, Hkv, D, I, eps; caches, head stride; rows, slots, count, CSR;
-    # cos, sin, scale; prefill_from, decoding and prefill arithmetic, threads
+    # cos, sin, scale; prefill_from, decoding and prefill arithmetic, threads, whether the cache
+    # is float16
     lib.specdecode_decoder_rows.argtypes = [
         *(p, n, p, i, i, i, i, i, i, f, p, i, p, p, i, p, p, p, p, f),
-        *(i, n, n, n),
+        *(i, n, n, n, n),
     ]
     lib.specdecode_decoder_rows.restype = n
     lib.specdecode_tiles_f32.argtypes = [p, p, p, i, i, i, n]
@@ -289,6 +291,14 @@ class Prepared:
     eps: float
 
 
+def cache_is_half(cache: Tensor) -> int:
+    """1 for a float16 key/value cache (the kernels widen it as they read and round what they
+    store), 0 for float32; float32 rows take no other."""
+    if cache.dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"the row kernels read float32 or float16 caches, not {cache.dtype}")
+    return int(cache.dtype == torch.float16)
+
+
 class Decoder:
     """`DecoderRows` of one instruction set's build (`decoder.cpp`); decoding rows take the
     arithmetic `decoding`, prompt rows `prefill` (as `quant.QuantCPU`'s)."""
@@ -335,6 +345,7 @@ class Decoder:
         p = prepared
         stride = caches[0][0].stride(0)
         assert all(k.stride(0) == v.stride(0) == stride for k, v in caches)
+        half = cache_is_half(caches[0][0])
         pointers = torch.tensor([t.data_ptr() for pair in caches for t in pair], dtype=torch.int64)
         cos, sin = cos.contiguous(), sin.contiguous()
         done = self._lib.specdecode_decoder_rows(
@@ -342,6 +353,7 @@ class Decoder:
             p.head_dim, p.width, p.eps, pointers.data_ptr(), stride, rows.data_ptr(), new_slots.data_ptr(),
             rows.shape[0], row_ptr.data_ptr(), idx.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             1.0 / math.sqrt(p.head_dim), prefill_from, self.decoding, self.prefill, torch.get_num_threads(),
+            half,
         )  # fmt: skip
         if done != 0:
             raise ValueError(f"decoder kernel: cannot run these layers (code {done})")
@@ -406,6 +418,7 @@ class RowOps:
         hkv = k.shape[0]
         assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
         assert cache_k.stride() == cache_v.stride() and cache_k.stride(1) == d
+        assert cache_k.dtype == cache_v.dtype
         done = self._lib.specdecode_attend_rows(
             q.data_ptr(), q.stride(0), q.stride(1),
             k.data_ptr(), k.stride(0), k.stride(1),
@@ -414,7 +427,7 @@ class RowOps:
             rows.data_ptr(), new_slots.data_ptr(), rows.shape[0], row_ptr.data_ptr(), idx.data_ptr(),
             out.data_ptr(), out.stride(0), h, hkv, d, 1.0 / math.sqrt(d),
             None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
-            torch.get_num_threads(),
+            torch.get_num_threads(), cache_is_half(cache_k),
         )  # fmt: skip
         if done != 0:
             raise ValueError(f"attention kernel: unsupported shape (H={h}, H_kv={hkv}, D={d})")
@@ -430,8 +443,8 @@ class RowOps:
         as it does in float32 (SDPA over a step's rows rounds a row by the step's shape)."""
         c, s = cos[rows], sin[rows]  # (R, D)
         keys = apply_rotary(k[:, rows], c, s)  # (H_kv, R, D)
-        cache_k[:, new_slots] = keys
-        cache_v[:, new_slots] = v[:, rows]
+        cache_k[:, new_slots] = keys.to(cache_k.dtype)
+        cache_v[:, new_slots] = v[:, rows].to(cache_v.dtype)
         seen, local = torch.unique(idx, return_inverse=True)  # (U,) sorted slots; idx renumbered
         wide_k, wide_v = cache_k[:, seen].float(), cache_v[:, seen].float()  # (H_kv, U, D)
         queries = apply_rotary(q[:, rows], c, s).float()  # (H, R, D)

@@ -12,10 +12,10 @@ extern "C" {
 int specdecode_qmm(int format, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y,
                    int64_t ldy, int threads, int prefill);
 int specdecode_attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, int64_t k_sh, int64_t k_st,
-                           const float* vn, int64_t v_sh, int64_t v_st, float* kc, float* vc, int64_t c_sh,
+                           const float* vn, int64_t v_sh, int64_t v_st, void* kc, void* vc, int64_t c_sh,
                            const int64_t* rows, const int64_t* new_slot, int64_t n_rows, const int64_t* row_ptr,
                            const int64_t* idx, float* out, int64_t o_st, int64_t Hq, int64_t Hkv, int64_t D,
-                           float scale, const float* cos, const float* sin, int threads);
+                           float scale, const float* cos, const float* sin, int threads, int half_cache);
 void specdecode_rms_norm(const float* x, const float* w, float* y, int64_t M, int64_t C, float eps);
 void specdecode_silu_mul(const float* gu, int64_t M, int64_t I, float* out);
 }
@@ -59,7 +59,7 @@ extern "C" {
 
 // x (T, C) through `n_layers` layers (records RECORD int64 each), in place. Attention as
 // specdecode_attend_rows takes it: each layer's cache (caches: key, value pointer per layer, head
-// stride c_sh), the rows' slots and CSR, the rotary tables (T, D). H, Hkv heads of D; I the MLP's
+// stride c_sh; float16 where `half_cache`), the rows' slots and CSR, the rotary tables (T, D). H, Hkv heads of D; I the MLP's
 // width; rows before `prefill_from` take the decoding arithmetic `decoding`, the rest the prefill
 // arithmetic `prefill` (product's). 0 when
 // done; 1: a matrix the products do not take; 2: attention refused the shapes.
@@ -67,7 +67,7 @@ int specdecode_decoder_rows(const int64_t* layers, int n_layers, float* x, int64
                             int64_t Hkv, int64_t D, int64_t I, float eps, const int64_t* caches, int64_t c_sh,
                             const int64_t* rows, const int64_t* new_slot, int64_t n_rows, const int64_t* row_ptr,
                             const int64_t* idx, const float* cos, const float* sin, float scale,
-                            int64_t prefill_from, int decoding, int prefill, int threads) {
+                            int64_t prefill_from, int decoding, int prefill, int threads, int half_cache) {
     const int64_t qkv_n = (H + 2 * Hkv) * D, att_n = H * D;
     std::vector<float> h(size_t(T * C)), qkv(size_t(T * qkv_n)), att(size_t(T * att_n)), out(size_t(T * C));
     std::vector<float> gu(size_t(T * 2 * I)), act(size_t(T * I));
@@ -83,9 +83,9 @@ int specdecode_decoder_rows(const int64_t* layers, int n_layers, float* x, int64
         if (product(m_qkv, h.data(), T, C, qkv_n, qkv.data(), prefill_from, decoding, prefill, threads)) return 1;
         const float* q = qkv.data();
         if (specdecode_attend_rows(q, D, qkv_n, q + att_n, D, qkv_n, q + att_n + Hkv * D, D, qkv_n,
-                                   reinterpret_cast<float*>(caches[2 * l]), reinterpret_cast<float*>(caches[2 * l + 1]),
+                                   reinterpret_cast<void*>(caches[2 * l]), reinterpret_cast<void*>(caches[2 * l + 1]),
                                    c_sh, rows, new_slot, n_rows, row_ptr, idx, att.data(), att_n, H, Hkv, D, scale, cos,
-                                   sin, threads))
+                                   sin, threads, half_cache))
             return 2;
         if (product(m_o, att.data(), T, att_n, C, out.data(), prefill_from, decoding, prefill, threads)) return 1;
         for (int64_t i = 0; i < T * C; ++i) x[i] = x[i] + out[i];

@@ -220,6 +220,74 @@ inline V exp_nonpositive(V x) {
     return mul(p, pow2(n));
 }
 
+// 16 float16 (IEEE binary16) values widened to float32 (exact), and 16 float32 narrowed to
+// float16, rounded to nearest even as torch's `.half()` rounds: what a key/value cache kept in
+// half precision is read and written with (row_ops.cpp). F16C on x86, bit arithmetic elsewhere.
+#if defined(__AVX512F__)
+inline V loadh(const uint16_t* p) {
+    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+inline void storeh(uint16_t* p, V a) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#elif defined(__AVX2__)
+inline V loadh(const uint16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline void storeh(uint16_t* p, V a) {
+    constexpr int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a.lo, mode));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_cvtps_ph(a.hi, mode));
+}
+#else
+inline float half_to_float(uint16_t h) {
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in float32
+        float f = float(man) * 5.9604644775390625e-8f;
+        std::memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (exp == 31) {  // infinity or NaN
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+inline uint16_t float_to_half(float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    const auto sign = uint16_t((x >> 16) & 0x8000u);
+    x &= 0x7fffffffu;
+    if (x > 0x7f800000u) return uint16_t(sign | 0x7e00u | ((x >> 13) & 0x3ffu));  // NaN stays NaN (quiet)
+    if (x >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // 65520 and up round to infinity
+    if (x < 0x38800000u) {  // below 2^-14: a subnormal half, |f| * 2^24 rounded to an even integer
+        float a;
+        std::memcpy(&a, &x, 4);
+        return uint16_t(sign | uint16_t(std::nearbyint(a * 16777216.0f)));
+    }
+    const uint32_t r = (x + 0xfffu + ((x >> 13) & 1u)) >> 13;  // to nearest even at bit 13
+    return uint16_t(sign | (r - (112u << 10)));
+}
+inline V loadh(const uint16_t* p) {
+    V a;
+    for (int j = 0; j < 16; ++j) a.f[j] = half_to_float(p[j]);
+    return a;
+}
+inline void storeh(uint16_t* p, V a) {
+    for (int j = 0; j < 16; ++j) p[j] = float_to_half(a.f[j]);
+}
+#endif
+
+// A cache's rows in either precision: float32 as they are, float16 widened (and narrowed when stored).
+inline V loadc(const float* p) { return loadv(p); }
+inline V loadc(const uint16_t* p) { return loadh(p); }
+inline void storec(float* p, V a) { storev(p, a); }
+inline void storec(uint16_t* p, V a) { storeh(p, a); }
+
 // Ask for the cache line holding p now (the kernels run ahead of the hardware's prefetcher, which
 // follows a stream or two per thread). An asm statement on x86: GCC took __builtin_prefetch as a
 // reason to store the accumulators to memory at every step.

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "lanes.h"
@@ -56,25 +57,26 @@ constexpr int64_t SPAN = 64;
 // Either way the same arithmetic: the same bits.
 constexpr int64_t AHEAD = 32;  // slots ahead
 bool ask_ahead = true;
-inline void ask_for(const float* base, const int64_t* slots, int64_t n, int64_t D) {
+template <typename T>
+inline void ask_for(const T* base, const int64_t* slots, int64_t n, int64_t D) {
     for (int64_t i = 0; i < n; ++i)
-        for (int64_t d = 0; d < D; d += 16) prefetch(base + slots[i] * D + d);
+        for (int64_t d = 0; d < D; d += int64_t(64 / sizeof(T))) prefetch(base + slots[i] * D + d);
 }
 
 // Heads' running sums o over n slots' values, each weighed by its score p (head g's at
 // p[g * stride + k]), for as many of `left` heads as one pass takes (returned): GN at once, each
 // head's sum in slot order, so the same bits whichever pass takes it.
-template <int NC, int GN>
-inline void value_pass(const float* __restrict vc, const int64_t* __restrict idx, int64_t n, const float* p,
+template <int NC, int GN, typename T>
+inline void value_pass(const T* __restrict vc, const int64_t* __restrict idx, int64_t n, const float* p,
                        int64_t stride, V (*o)[NC]) {
     constexpr int64_t D = NC * 16;
     V acc[GN][NC];
     for (int g = 0; g < GN; ++g)
         for (int c = 0; c < NC; ++c) acc[g][c] = o[g][c];
     for (int64_t k = 0; k < n; ++k) {
-        const float* v = vc + idx[k] * D;
+        const T* v = vc + idx[k] * D;
         V vv[NC];
-        for (int c = 0; c < NC; ++c) vv[c] = loadv(v + c * 16);
+        for (int c = 0; c < NC; ++c) vv[c] = loadc(v + c * 16);
         for (int g = 0; g < GN; ++g) {
             const V w = set1(p[g * stride + k]);
             for (int c = 0; c < NC; ++c) acc[g][c] = fma(w, vv[c], acc[g][c]);
@@ -84,13 +86,13 @@ inline void value_pass(const float* __restrict vc, const int64_t* __restrict idx
         for (int c = 0; c < NC; ++c) o[g][c] = acc[g][c];
 }
 
-template <int NC, int GN = (NC >= 8 ? 2 : 24 / NC)>
-inline int value_sums(int left, const float* vc, const int64_t* idx, int64_t n, const float* p, int64_t stride,
+template <int NC, typename T, int GN = (NC >= 8 ? 2 : 24 / NC)>
+inline int value_sums(int left, const T* vc, const int64_t* idx, int64_t n, const float* p, int64_t stride,
                       V (*o)[NC]) {
     if constexpr (GN > 1) {
-        if (left < GN) return value_sums<NC, GN - 1>(left, vc, idx, n, p, stride, o);
+        if (left < GN) return value_sums<NC, T, GN - 1>(left, vc, idx, n, p, stride, o);
     }
-    value_pass<NC, GN>(vc, idx, n, p, stride, o);
+    value_pass<NC, GN, T>(vc, idx, n, p, stride, o);
     return GN;
 }
 
@@ -100,8 +102,8 @@ inline int value_sums(int left, const float* vc, const int64_t* idx, int64_t n, 
 // rounded up to 16. Slots come 16 at a time, each block's keys and values read from memory once
 // for all G heads; a head's scores are 16 keys at a time (`reduce16`: each the same sum as
 // `reduce` of its key's products), so a head's result is the same in any group.
-template <int NC>
-void attend_span(int G, const float* const* q, const float* __restrict kc, const float* __restrict vc,
+template <int NC, typename T>
+void attend_span(int G, const float* const* q, const T* __restrict kc, const T* __restrict vc,
                  const int64_t* __restrict idx, int64_t L, int64_t L_all, float scale, float* __restrict s,
                  V (&o)[MAX_QUERIES][NC], float* m_out, float* l_out) {
     constexpr int64_t D = NC * 16;
@@ -111,7 +113,7 @@ void attend_span(int G, const float* const* q, const float* __restrict kc, const
     for (int g = 0; g < G; ++g) top[g] = set1(-INFINITY);
     for (int64_t j0 = 0; j0 < L; j0 += 16) {
         const int64_t n = L - j0 < 16 ? L - j0 : 16;
-        const float* key[16];
+        const T* key[16];
         for (int64_t k = 0; k < 16; ++k) key[k] = kc + idx[j0 + (k < n ? k : n - 1)] * D;  // past L: the last again
         if (ask_ahead && j0 + AHEAD < L_all) {  // keys and values ahead (a span's values are read after its scores)
             ask_for(kc, idx + j0 + AHEAD, std::min<int64_t>(16, L_all - j0 - AHEAD), D);
@@ -122,8 +124,8 @@ void attend_span(int G, const float* const* q, const float* __restrict kc, const
             for (int c = 0; c < NC; ++c) qv[c] = loadv(q[g] + c * 16);
             V acc[16];
             for (int k = 0; k < 16; ++k) {
-                acc[k] = mul(qv[0], loadv(key[k]));
-                for (int c = 1; c < NC; ++c) acc[k] = fma(qv[c], loadv(key[k] + c * 16), acc[k]);
+                acc[k] = mul(qv[0], loadc(key[k]));
+                for (int c = 1; c < NC; ++c) acc[k] = fma(qv[c], loadc(key[k] + c * 16), acc[k]);
             }
             const V x = mul(reduce16(acc), sc);
             storev(s + g * padded + j0, x);
@@ -152,7 +154,7 @@ void attend_span(int G, const float* const* q, const float* __restrict kc, const
         for (int c = 0; c < NC; ++c) o[g][c] = zero();
     for (int64_t j0 = 0; j0 < L; j0 += 16) {
         const int64_t n = L - j0 < 16 ? L - j0 : 16;
-        for (int g0 = 0; g0 < G;) g0 += value_sums<NC>(G - g0, vc, idx + j0, n, s + g0 * padded + j0, padded, o + g0);
+        for (int g0 = 0; g0 < G;) g0 += value_sums<NC, T>(G - g0, vc, idx + j0, n, s + g0 * padded + j0, padded, o + g0);
     }
 }
 
@@ -197,9 +199,9 @@ inline std::vector<Span> shared_spans(const int64_t* row_ptr, const int64_t* idx
     return spans;
 }
 
-template <int NC>
+template <int NC, typename T>
 void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, int64_t k_sh, int64_t k_st,
-                 const float* vn, int64_t v_sh, int64_t v_st, float* kc, float* vc, int64_t c_sh, const int64_t* rows,
+                 const float* vn, int64_t v_sh, int64_t v_st, T* kc, T* vc, int64_t c_sh, const int64_t* rows,
                  const int64_t* new_slot, int64_t n_rows, const int64_t* row_ptr, const int64_t* idx, float* out,
                  int64_t o_st, int64_t Hq, int64_t Hkv, float scale, const float* cos, const float* sin,
                  int threads) {
@@ -219,14 +221,20 @@ void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, in
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < n_rows * Hkv; ++task) {
             const int64_t r = task / Hkv, h = task % Hkv, t = rows[r];
-            float* kd = kc + h * c_sh + new_slot[r] * D;
-            float* vd = vc + h * c_sh + new_slot[r] * D;
+            T* kd = kc + h * c_sh + new_slot[r] * D;
+            T* vd = vc + h * c_sh + new_slot[r] * D;
             if (cos != nullptr) {
-                rotate(kn + h * k_sh + t * k_st, cos + t * D, sin + t * D, D, kd);
+                if constexpr (std::is_same_v<T, float>) {
+                    rotate(kn + h * k_sh + t * k_st, cos + t * D, sin + t * D, D, kd);
+                } else {  // rotated in float32, then narrowed
+                    float rotated_key[D];
+                    rotate(kn + h * k_sh + t * k_st, cos + t * D, sin + t * D, D, rotated_key);
+                    for (int c = 0; c < NC; ++c) storec(kd + c * 16, loadv(rotated_key + c * 16));
+                }
             } else {
-                for (int c = 0; c < NC; ++c) storev(kd + c * 16, loadv(kn + h * k_sh + t * k_st + c * 16));
+                for (int c = 0; c < NC; ++c) storec(kd + c * 16, loadv(kn + h * k_sh + t * k_st + c * 16));
             }
-            for (int c = 0; c < NC; ++c) storev(vd + c * 16, loadv(vn + h * v_sh + t * v_st + c * 16));
+            for (int c = 0; c < NC; ++c) storec(vd + c * 16, loadv(vn + h * v_sh + t * v_st + c * 16));
         }
         std::vector<float> scratch(size_t(MAX_QUERIES * SPAN));
         std::vector<float> rotated(size_t(MAX_QUERIES * D));
@@ -249,7 +257,7 @@ void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, in
                     qs[i] = rotated.data() + i * D;
                 }
             }
-            attend_span<NC>(int(sp.count * per), qs, kc + kvh * c_sh, vc + kvh * c_sh, idx + row_ptr[r0] + sp.first,
+            attend_span<NC, T>(int(sp.count * per), qs, kc + kvh * c_sh, vc + kvh * c_sh, idx + row_ptr[r0] + sp.first,
                             sp.n, row_ptr[r0 + 1] - row_ptr[r0] - sp.first, scale, scratch.data(), o, m, l);
             for (int64_t i = 0; i < sp.count * per; ++i) {
                 const int64_t r = sp.rows[i / per], h = h0 + i % per;
@@ -306,25 +314,30 @@ void specdecode_attention_prefetch(int on) { ask_ahead = on != 0; }
 
 // q (H, T, D) at strides (q_sh, q_st); new keys/values (Hkv, T, D) likewise; cos/sin (T, D) the
 // rotary tables at each row's position, applied here to q and the new keys (null: already done);
-// the layer's cache kc/vc (Hkv, S, D) with head stride c_sh; for each of `n_rows` rows (indices
+// the layer's cache kc/vc (Hkv, S, D) with head stride c_sh, float32 or (half_cache) float16; for each of `n_rows` rows (indices
 // into T): the slot its new key/value goes to and, as CSR (row_ptr, idx), the slots it attends
 // to; out (T, H, D) with row stride o_st. Returns 0, or -1 for a head size the kernel does not take.
 int specdecode_attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, int64_t k_sh, int64_t k_st,
-                           const float* vn, int64_t v_sh, int64_t v_st, float* kc, float* vc, int64_t c_sh,
+                           const float* vn, int64_t v_sh, int64_t v_st, void* kc, void* vc, int64_t c_sh,
                            const int64_t* rows, const int64_t* new_slot, int64_t n_rows, const int64_t* row_ptr,
                            const int64_t* idx, float* out, int64_t o_st, int64_t Hq, int64_t Hkv, int64_t D,
-                           float scale, const float* cos, const float* sin, int threads) {
+                           float scale, const float* cos, const float* sin, int threads, int half_cache) {
     if (Hkv <= 0 || Hq % Hkv != 0) return -1;
-    using Fn = decltype(&attend_rows<1>);
-    Fn fn = D == 16    ? attend_rows<1>
-            : D == 32  ? attend_rows<2>
-            : D == 64  ? attend_rows<4>
-            : D == 128 ? attend_rows<8>
-                       : nullptr;
-    if (fn == nullptr) return -1;
-    fn(q, q_sh, q_st, kn, k_sh, k_st, vn, v_sh, v_st, kc, vc, c_sh, rows, new_slot, n_rows, row_ptr, idx, out, o_st,
-       Hq, Hkv, scale, cos, sin, threads);
-    return 0;
+    const auto run = [&](auto* k_cache, auto* v_cache, auto one, auto two, auto four, auto eight) {
+        const auto fn = D == 16 ? one : D == 32 ? two : D == 64 ? four : D == 128 ? eight : nullptr;
+        if (fn == nullptr) return -1;
+        fn(q, q_sh, q_st, kn, k_sh, k_st, vn, v_sh, v_st, k_cache, v_cache, c_sh, rows, new_slot, n_rows, row_ptr,
+           idx, out, o_st, Hq, Hkv, scale, cos, sin, threads);
+        return 0;
+    };
+    if (half_cache) {
+        auto* k = static_cast<uint16_t*>(kc);
+        auto* v = static_cast<uint16_t*>(vc);
+        return run(k, v, attend_rows<1, uint16_t>, attend_rows<2, uint16_t>, attend_rows<4, uint16_t>,
+                   attend_rows<8, uint16_t>);
+    }
+    return run(static_cast<float*>(kc), static_cast<float*>(vc), attend_rows<1, float>, attend_rows<2, float>,
+               attend_rows<4, float>, attend_rows<8, float>);
 }
 
 // y (M, C) = x / sqrt(mean(x^2) + eps) * w, float32, one thread: a row's sum of squares runs in a
