@@ -174,7 +174,6 @@ class AttentionPlan:
         seg: Segment, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         keys, values = seg.cache.write(layer, k, v, seg.start)  # (B, H_kv, start+T, D)
-        keys, values = keys.to(q.dtype), values.to(q.dtype)  # a cache kept in another precision
         gqa = q.shape[1] != k.shape[1]
         if seg.mask is None and seg.length > 1:  # start == 0: a fresh causal chain
             return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)

@@ -282,15 +282,19 @@ class LLMEngine:
         """`models.latency.forward_seconds` as this engine runs its steps: through its CUDA graphs
         for the widths they hold, the model's forward for others, over blocks of its own storage
         (keys and values in its `kv_dtype`) where the pool has them free."""
+
+        def fits(tokens: int) -> bool:  # the pool has free blocks for that many tokens
+            return self.pool.can_allocate(-(-tokens // self.config.block_size))
+
         out: dict[int, list[float]] = {}
         graphed = [t for t in widths if self.graphs is not None and t <= self.graphs.max_rows]
-        if graphed and self.pool.can_allocate(-(-(context + max(graphed)) // self.config.block_size)):
+        if graphed and fits(context + max(graphed)):
             assert self.graphs is not None
             out = self.graphs.seconds(graphed, context, repeats)
         rest = [t for t in widths if t not in out]
         if not rest:
             return out
-        if not self.pool.can_allocate(-(-(context + max(rest)) // self.config.block_size)):
+        if not fits(context + max(rest)):
             return out | forward_seconds(self.model, rest, context, repeats)
         cache = PagedCache(self.storage, context + max(rest), prefix_caching=False)
         try:

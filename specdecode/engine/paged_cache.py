@@ -185,13 +185,14 @@ class PagedCache:
         self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store new keys/values (1, H_kv, T, D) at `start` and return the layer's valid prefix
-        (1, H_kv, start+T, D) for attention, gathered from the blocks."""
+        (1, H_kv, start+T, D) for attention, gathered from the blocks in `k`'s dtype (a cache
+        kept narrower rounds what it stores, and every read sees the rounded values)."""
         end = start + k.shape[2]
         slots = self._slots[:end]  # (start+T,)
         keys, values = self.storage.k[layer], self.storage.v[layer]  # (H_kv, S_all, D)
-        keys[:, slots[start:]] = k[0].to(keys.dtype)  # rounded where the cache is kept narrower
+        keys[:, slots[start:]] = k[0].to(keys.dtype)
         values[:, slots[start:]] = v[0].to(values.dtype)
-        return keys.index_select(1, slots)[None], values.index_select(1, slots)[None]
+        return keys.index_select(1, slots)[None].to(k.dtype), values.index_select(1, slots)[None].to(v.dtype)
 
     def write_hidden(self, start: int, rows: torch.Tensor) -> None:
         """Store the hidden states (T, C) of positions `start .. start+T-1` (reserved slots)."""
