@@ -173,6 +173,46 @@ def test_a_drafts_prompt_rows_in_int8(isa: str, fmt: str) -> None:
         assert torch.equal(decoding, exact.matmul(noisy, weight))
 
 
+def identity_q8_0(n: int) -> QuantWeight:
+    """Q8_0 blocks holding the n x n identity: every scale 1.0, quant 1 on the diagonal."""
+    raw = np.zeros((n, n // 32, 34), dtype=np.uint8)
+    raw[:, :, 0:2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    for i in range(n):
+        raw[i, i // 32, 2 + i % 32] = 1
+    return QuantWeight(n, (QuantPart("Q8_0", torch.from_numpy(raw.reshape(n, -1))),))
+
+
+@pytest.mark.parametrize("isa", isa_params())
+def test_int8_rows_round_x_to_nearest_even(isa: str) -> None:
+    """The int8 rows round x per group of 32 to round(x * (127 / max|x|)), ties to even, with
+    scale max|x| / 127 (float32 throughout): through the identity each output is its int8 x times
+    the group's scale, the same bits as torch computes them, for decoding rows (a few, from the
+    AVX-512 and AVX2 builds' vector rounding) and prompt rows alike. Ties are made exact: each
+    group's largest magnitude is 127 / 2^e, so x * (127 / max|x|) = x * 2^e lands on k + 0.5."""
+    draft = quant_kernel(isa)
+    assert draft is not None
+    draft = draft.approximate()
+    n = 256
+    weight = draft.pack(identity_q8_0(n))
+    g = torch.Generator().manual_seed(21)
+    rows = 9
+    e = torch.randint(-3, 6, (rows, n // 32, 1), generator=g).float()
+    ties = (torch.randint(-127, 127, (rows, n // 32, 32), generator=g).float() + 0.5) * 2.0**-e
+    noise = torch.randn(rows, n // 32, 32, generator=g) * 2.0**-e * 40
+    x = torch.where(torch.rand(rows, n // 32, 32, generator=g) < 0.5, ties, noise)
+    x[:, :, 0] = 127.0 * 2.0**-e[:, :, 0] * torch.where(torch.rand(rows, n // 32, generator=g) < 0.5, -1.0, 1.0)
+    x[0, 1] = 0.0  # a group of zeros: scale 0, quants 0
+    amax = x.abs().amax(-1, keepdim=True)  # (rows, groups, 1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    q = torch.round(x * inv)  # half to even
+    assert bool((q.abs() <= 127).all()) and bool(((x * inv).frac().abs() == 0.5).any())
+    want = (q * (amax / 127.0)).reshape(rows, n)
+    assert torch.equal(draft.matmul(x.reshape(rows, n), weight, prefill=True), want)
+    if isa in ("avx512", "avx2"):  # their decoding rows are int8 too (Q8_0's)
+        for m in (1, 2, 3, 9):
+            assert torch.equal(draft.matmul(x.reshape(rows, n)[:m], weight), want[:m]), m
+
+
 @pytest.mark.parametrize("isa, flag", [("avx512", "avx512_vnni"), ("avx2", "avx_vnni")])
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_builds_without_vnni_give_the_same_int8_sums(isa: str, flag: str, fmt: str) -> None:
