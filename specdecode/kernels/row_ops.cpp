@@ -199,6 +199,25 @@ inline std::vector<Span> shared_spans(const int64_t* row_ptr, const int64_t* idx
     return spans;
 }
 
+// Where each of `threads` runs of the tasks (key/value head, span, chunk of heads) ends, so that
+// each holds about an equal share of their work: a span's queries times its slots, plus a
+// constant for a task's own overhead.
+inline std::vector<int64_t> balanced_runs(const std::vector<Span>& spans, int64_t chunks, int64_t n_tasks,
+                                          int threads) {
+    const auto n_spans = int64_t(spans.size());
+    auto work = [&](int64_t task) { const Span& sp = spans[size_t(task / chunks % n_spans)]; return sp.count * sp.n + 16; };
+    int64_t total = 0;
+    for (int64_t task = 0; task < n_tasks; ++task) total += work(task);
+    std::vector<int64_t> ends(size_t(std::max(threads, 1)), n_tasks);
+    int64_t done = 0, task = 0;
+    for (int t = 0; t + 1 < threads; ++t) {
+        const int64_t goal = total * (t + 1) / threads;
+        while (task < n_tasks && done + work(task) / 2 < goal) done += work(task++);
+        ends[size_t(t)] = task;
+    }
+    return ends;
+}
+
 template <int NC, typename T>
 void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, int64_t k_sh, int64_t k_st,
                  const float* vn, int64_t v_sh, int64_t v_st, T* kc, T* vc, int64_t c_sh, const int64_t* rows,
@@ -215,9 +234,13 @@ void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, in
     const std::vector<Span> spans = shared_spans(row_ptr, idx, n_rows, int(MAX_QUERIES / per), Hq, part_at, parts);
     const auto n_spans = int64_t(spans.size());
     std::vector<float> partial(size_t(parts * PART));
+    std::vector<float> rotated(cos != nullptr ? size_t(n_rows * Hq * D) : 0);
+    const int64_t n_tasks = Hkv * n_spans * chunks;
+    const std::vector<int64_t> task_ends = balanced_runs(spans, chunks, n_tasks, threads);
 #pragma omp parallel num_threads(threads)
     {
         // The new keys and values into their slots first: rows of a tree see their ancestors'.
+        // Queries are rotated here too, once each (not once for every span of their row).
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < n_rows * Hkv; ++task) {
             const int64_t r = task / Hkv, h = task % Hkv, t = rows[r];
@@ -235,27 +258,29 @@ void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, in
                 for (int c = 0; c < NC; ++c) storec(kd + c * 16, loadv(kn + h * k_sh + t * k_st + c * 16));
             }
             for (int c = 0; c < NC; ++c) storec(vd + c * 16, loadv(vn + h * v_sh + t * v_st + c * 16));
+            if (cos != nullptr)  // and the queries of the heads that share this key/value head
+                for (int64_t g = h * group; g < (h + 1) * group; ++g)
+                    rotate(q + g * q_sh + t * q_st, cos + t * D, sin + t * D, D, rotated.data() + (r * Hq + g) * D);
         }
         std::vector<float> scratch(size_t(MAX_QUERIES * SPAN));
-        std::vector<float> rotated(size_t(MAX_QUERIES * D));
         V o[MAX_QUERIES][NC];
         float m[MAX_QUERIES], l[MAX_QUERIES];
         // Tasks by key/value head, then span (rows in order), then its heads `per` at a time: a
         // thread reads a key/value head's slots once from memory, then from its own cache for
-        // every span of a later row that shares them.
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < Hkv * n_spans * chunks; ++task) {
+        // every span of a later row that shares them. Each thread takes a run of tasks holding
+        // an equal share of the work (`task_ends`): a span several rows share is several times
+        // the work of one row's own slots (a tree's), so equal numbers of tasks left one thread
+        // waiting on the other.
+        // (A team smaller than asked for takes the runs in turn.)
+        for (int run = omp_get_thread_num(); run < int(task_ends.size()); run += omp_get_num_threads())
+        for (int64_t task = run ? task_ends[size_t(run - 1)] : 0; task < task_ends[size_t(run)]; ++task) {
             const int64_t kvh = task / (n_spans * chunks);
             const Span& sp = spans[size_t(task / chunks % n_spans)];
             const int64_t h0 = kvh * group + task % chunks * per, r0 = sp.rows[0];
             const float* qs[MAX_QUERIES];  // query i: row sp.rows[i / per], head h0 + i % per
             for (int64_t i = 0; i < sp.count * per; ++i) {
-                const int64_t t = rows[sp.rows[i / per]];
-                qs[i] = q + (h0 + i % per) * q_sh + t * q_st;
-                if (cos != nullptr) {
-                    rotate(qs[i], cos + t * D, sin + t * D, D, rotated.data() + i * D);
-                    qs[i] = rotated.data() + i * D;
-                }
+                const int64_t r = sp.rows[i / per], h = h0 + i % per;
+                qs[i] = cos != nullptr ? rotated.data() + (r * Hq + h) * D : q + h * q_sh + rows[r] * q_st;
             }
             attend_span<NC, T>(int(sp.count * per), qs, kc + kvh * c_sh, vc + kvh * c_sh, idx + row_ptr[r0] + sp.first,
                             sp.n, row_ptr[r0 + 1] - row_ptr[r0] - sp.first, scale, scratch.data(), o, m, l);
@@ -271,6 +296,7 @@ void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, in
                 }
             }
         }
+#pragma omp barrier
         // Rows of several spans: their spans' partials merged in order, each weighed by
         // exp(its top - the row's top).
 #pragma omp for schedule(static)
