@@ -200,7 +200,8 @@ def test_int8_rows_round_x_to_nearest_even(isa: str) -> None:
     ties = (torch.randint(-127, 127, (rows, n // 32, 32), generator=g).float() + 0.5) * 2.0**-e
     noise = torch.randn(rows, n // 32, 32, generator=g) * 2.0**-e * 40
     x = torch.where(torch.rand(rows, n // 32, 32, generator=g) < 0.5, ties, noise)
-    x[:, :, 0] = 127.0 * 2.0**-e[:, :, 0] * torch.where(torch.rand(rows, n // 32, generator=g) < 0.5, -1.0, 1.0)
+    signs = torch.where(torch.rand(rows, n // 32, generator=g) < 0.5, -1.0, 1.0)
+    x[:, :, 0] = 127.0 * 2.0 ** -e[:, :, 0] * signs
     x[0, 1] = 0.0  # a group of zeros: scale 0, quants 0
     amax = x.abs().amax(-1, keepdim=True)  # (rows, groups, 1)
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
