@@ -205,7 +205,10 @@ inline std::vector<Span> shared_spans(const int64_t* row_ptr, const int64_t* idx
 inline std::vector<int64_t> balanced_runs(const std::vector<Span>& spans, int64_t chunks, int64_t n_tasks,
                                           int threads) {
     const auto n_spans = int64_t(spans.size());
-    auto work = [&](int64_t task) { const Span& sp = spans[size_t(task / chunks % n_spans)]; return sp.count * sp.n + 16; };
+    auto work = [&](int64_t task) {
+        const Span& sp = spans[size_t(task / chunks % n_spans)];
+        return sp.count * sp.n + 16;
+    };
     int64_t total = 0;
     for (int64_t task = 0; task < n_tasks; ++task) total += work(task);
     std::vector<int64_t> ends(size_t(std::max(threads, 1)), n_tasks);
@@ -270,29 +273,32 @@ void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, in
         // every span of a later row that shares them. Each thread takes a run of tasks holding
         // an equal share of the work (`task_ends`): a span several rows share is several times
         // the work of one row's own slots (a tree's), so equal numbers of tasks left one thread
-        // waiting on the other.
-        // (A team smaller than asked for takes the runs in turn.)
-        for (int run = omp_get_thread_num(); run < int(task_ends.size()); run += omp_get_num_threads())
-        for (int64_t task = run ? task_ends[size_t(run - 1)] : 0; task < task_ends[size_t(run)]; ++task) {
-            const int64_t kvh = task / (n_spans * chunks);
-            const Span& sp = spans[size_t(task / chunks % n_spans)];
-            const int64_t h0 = kvh * group + task % chunks * per, r0 = sp.rows[0];
-            const float* qs[MAX_QUERIES];  // query i: row sp.rows[i / per], head h0 + i % per
-            for (int64_t i = 0; i < sp.count * per; ++i) {
-                const int64_t r = sp.rows[i / per], h = h0 + i % per;
-                qs[i] = cos != nullptr ? rotated.data() + (r * Hq + h) * D : q + h * q_sh + rows[r] * q_st;
-            }
-            attend_span<NC, T>(int(sp.count * per), qs, kc + kvh * c_sh, vc + kvh * c_sh, idx + row_ptr[r0] + sp.first,
-                            sp.n, row_ptr[r0 + 1] - row_ptr[r0] - sp.first, scale, scratch.data(), o, m, l);
-            for (int64_t i = 0; i < sp.count * per; ++i) {
-                const int64_t r = sp.rows[i / per], h = h0 + i % per;
-                if (part_at[size_t(r)] < 0) {  // the row's one span: its result
-                    const V iv = set1(1.0f / l[i]);
-                    for (int c = 0; c < NC; ++c) storev(out + rows[r] * o_st + h * D + c * 16, mul(o[i][c], iv));
-                } else {
-                    float* p = partial.data() + (part_at[size_t(r)] + sp.first / SPAN * Hq + h) * PART;
-                    for (int c = 0; c < NC; ++c) storev(p + c * 16, o[i][c]);
-                    p[D] = m[i], p[D + 1] = l[i];
+        // waiting on the other. (A team smaller than asked for takes the runs in turn.)
+        for (int run = omp_get_thread_num(); run < int(task_ends.size()); run += omp_get_num_threads()) {
+            const int64_t begin = run ? task_ends[size_t(run - 1)] : 0;
+            for (int64_t task = begin; task < task_ends[size_t(run)]; ++task) {
+                const int64_t kvh = task / (n_spans * chunks);
+                const Span& sp = spans[size_t(task / chunks % n_spans)];
+                const int64_t h0 = kvh * group + task % chunks * per, r0 = sp.rows[0];
+                const float* qs[MAX_QUERIES];  // query i: row sp.rows[i / per], head h0 + i % per
+                for (int64_t i = 0; i < sp.count * per; ++i) {
+                    const int64_t r = sp.rows[i / per], h = h0 + i % per;
+                    qs[i] = cos != nullptr ? rotated.data() + (r * Hq + h) * D : q + h * q_sh + rows[r] * q_st;
+                }
+                attend_span<NC, T>(int(sp.count * per), qs, kc + kvh * c_sh, vc + kvh * c_sh,
+                                   idx + row_ptr[r0] + sp.first, sp.n, row_ptr[r0 + 1] - row_ptr[r0] - sp.first,
+                                   scale, scratch.data(), o, m, l);
+                for (int64_t i = 0; i < sp.count * per; ++i) {
+                    const int64_t r = sp.rows[i / per], h = h0 + i % per;
+                    if (part_at[size_t(r)] < 0) {  // the row's one span: its result
+                        const V iv = set1(1.0f / l[i]);
+                        for (int c = 0; c < NC; ++c)
+                            storev(out + rows[r] * o_st + h * D + c * 16, mul(o[i][c], iv));
+                    } else {
+                        float* p = partial.data() + (part_at[size_t(r)] + sp.first / SPAN * Hq + h) * PART;
+                        for (int c = 0; c < NC; ++c) storev(p + c * 16, o[i][c]);
+                        p[D] = m[i], p[D + 1] = l[i];
+                    }
                 }
             }
         }
