@@ -1014,7 +1014,7 @@ constexpr int64_t I8_TILE = 64 * 4 + 8 * 64;  // bytes of a group and tile
 
 // x (M, K) -> int8 (M, K) and a scale per group of 32 (M, K/32): round(x / d), d = max|x| / 127,
 // rounded to nearest even (the default rounding mode's `nearbyint`). With `words`, each run of 8
-// bytes goes in the words' order 0 2 4 6 1 3 5 7 (`quantize_words`). The vector builds give the
+// bytes goes in the words' order 0 2 4 6 1 3 5 7 (for Q4_0's and Q4_1's words). The vector builds give the
 // scalar loop's bits (max and the products are exact operations either way); they run before
 // every int8 product, on one thread, so a scalar loop here was ~3% of a forward of 8 rows.
 inline void in_word_order(int8_t* q) {  // each run of 8 of a group's 32 as 0 2 4 6 1 3 5 7
@@ -1072,8 +1072,9 @@ inline float quantize_group(const float* v, int8_t* q) {
 }
 #endif
 
+template <bool words = false>
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d) {
-    for (int64_t i = 0; i < M * (K / 32); ++i) d[i] = quantize_group(x + 32 * i, q + 32 * i);
+    for (int64_t i = 0; i < M * (K / 32); ++i) d[i] = quantize_group<words>(x + 32 * i, q + 32 * i);
 }
 
 template <class F>
@@ -1205,7 +1206,7 @@ void int8_prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w
 // formats, Q6_K and Q8_0. Where a format's quants sit in words (Q4_0, Q4_1 on AVX-512: `put4<true>`), a word's
 // eight quants of a run (steps 8i .. 8i + 7 of a half group) are two sets of four bytes with no
 // spreading: its low nibbles (steps 8i + 0, 2, 4, 6) and its high ones (8i + 1, 3, 5, 7), each one
-// VNNI dot product with the row's int8 x in that order (`quantize_words`). A group of a tile is
+// VNNI dot product with the row's int8 x in that order (`quantize_rows<true>`). A group of a tile is
 // then four loads, six integer operations and eight dot products a row, against 32 shifts and
 // lookups and 32 float multiply-adds a row. Quants in byte pairs (Q4_K everywhere; Q4_0, Q4_1 on
 // AVX2) go through `int8_pair_rows`, Q6_K's through `int8_q6_rows`, Q8_0's through `int8_q8_rows`.
@@ -1214,11 +1215,6 @@ void int8_prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w
 // the portable build take the float decoding rows.
 template <class F>
 constexpr bool INT8_WORDS = WORDS4 && F::weights == 32 && F::bits == 4;
-
-// x (M, K) -> int8 and scales as `quantize_rows`, each run of 8 in the words' order 0 2 4 6 1 3 5 7.
-void quantize_words(const float* x, int64_t M, int64_t K, int8_t* q, float* d) {
-    for (int64_t i = 0; i < M * (K / 32); ++i) d[i] = quantize_group<true>(x + 32 * i, q + 32 * i);
-}
 
 #if defined(__AVX512F__)
 constexpr int IDR = 8;  // int8 decoding rows at a time (their sums in registers: 32 zmm, 16 ymm)
@@ -1597,7 +1593,7 @@ __attribute__((noinline)) void int8_q8_rows(const int8_t* x8, const float* xd, c
 #endif
 
 #if defined(__AVX512F__)
-// R rows of int8 x (xq: `quantize_words`; scales xd (R, K/32); float half sums xs (R, K/16)) over
+// R rows of int8 x (xq: `quantize_rows<true>`; scales xd (R, K/32); float half sums xs (R, K/16)) over
 // both tiles of a unit of F's words.
 // S: integer sums a row and tile keeps (added at the end of a group), so that one row's dot
 // products are not one chain waiting on each other's latency (a row alone took longer than two).
@@ -1664,7 +1660,7 @@ constexpr int64_t X8 = Q6<F> ? (Q6_PAIRS ? 1 : 2) : Q8<F> ? X8Q8 : INT8_WORDS<F>
 template <class F>
 void int8_x(const float* x, int64_t M, int64_t K, int8_t* xq, float* d) {
     if constexpr (INT8_WORDS<F>) {
-        quantize_words(x, M, K, xq, d);
+        quantize_rows<true>(x, M, K, xq, d);
     } else {
         std::vector<int8_t> q(size_t(M * K));
         quantize_rows(x, M, K, q.data(), d);
