@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "lanes.h"
@@ -1178,22 +1179,28 @@ void int8_prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w
     constexpr int L = sgn ? 1 : 8 >> (F::bits - 4);  // 4 bits: 8 x 3810 < 2^15; 5: 4 x 7874; 6: 2 x 16002
     const int64_t unit_bytes = 2 * (K / F::weights) * F::packed;
     const int64_t units = (N + UNIT - 1) / UNIT;
-    std::vector<int8_t> xq(size_t(M * K));
-    std::vector<float> xd(size_t(M * (K / 32))), xs(size_t(M * (K / 16)));
-    quantize_rows(x, M, K, xq.data(), xd.data());
-    half_sums(x, M, K, xs.data());
+    // x in int8, its scales and half sums: every element written below before it is read (left
+    // uninitialised: zeroing a prompt's took longer than rounding it).
+    const std::unique_ptr<int8_t[]> xq(new int8_t[size_t(M * K)]);
+    const std::unique_ptr<float[]> xd(new float[size_t(M * (K / 32))]), xs(new float[size_t(M * (K / 16))]);
 #pragma omp parallel num_threads(threads)
     {
         std::vector<uint8_t> scratch(size_t(K / 32 * 2 * I8_TILE));
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        {  // each thread rounds its share of the rows (the same groups, each on its own)
+            const int64_t r0 = M * t / nt, r1 = M * (t + 1) / nt;
+            quantize_rows(x + r0 * K, r1 - r0, K, xq.get() + r0 * K, xd.get() + r0 * (K / 32));
+            half_sums(x + r0 * K, r1 - r0, K, xs.get() + r0 * (K / 16));
+        }
+#pragma omp barrier
         for (int64_t u = units * t / nt; u < units * (t + 1) / nt; ++u) {
             const int64_t n0 = u * UNIT;
             const int valid = int(N - n0 < UNIT ? N - n0 : UNIT);
             bytes_unit<F>(w + u * unit_bytes, K, scratch.data());
             int64_t r0 = 0;
             by_rows<IR>(M, [&]<int R>() {
-                int8_rows<R, F::uniform, L, sgn>(xq.data() + r0 * K, xd.data() + r0 * (K / 32), xs.data() + r0 * (K / 16),
-                                            K, scratch.data(), y + r0 * ldy + n0, ldy, valid);
+                int8_rows<R, F::uniform, L, sgn>(xq.get() + r0 * K, xd.get() + r0 * (K / 32), xs.get() + r0 * (K / 16), K,
+                                            scratch.data(), y + r0 * ldy + n0, ldy, valid);
                 r0 += R;
             });
         }
