@@ -143,7 +143,7 @@ def test_bf16_dense_tiles_for_few_rows_and_untiles_for_many() -> None:
 def _attention_case(d: int, seed: int, a: int = 19, b: int = 16) -> dict:
     """A paged layer (slots shuffled) holding two sequences' prefixes (a and b positions), and a
     batch of new rows: sequence A decodes one token, sequence B verifies a 4-node tree. Rows of
-    more than 64 slots are attended in spans, merged after."""
+    more than 256 slots are attended in spans, merged after."""
     gen = torch.Generator().manual_seed(seed)
     h, hkv, slots = 6, 2, a + b + 28
     perm = torch.randperm(slots, generator=gen)
@@ -178,8 +178,9 @@ def _run_attention(case: dict, rows: list[int], ops: RowOps) -> torch.Tensor:
     return out
 
 
-# rows of one span of slots; several, the last one short (A: 3 spans, B: 2 and 3)
-LENGTHS = [(19, 16), (150, 126)]
+# rows of one span of slots; several, the last one short (A: 3 spans, B's rows 3 each, the last
+# of 9 to 12 slots)
+LENGTHS = [(19, 16), (600, 520)]
 
 
 @pytest.mark.parametrize("isa", isa_ops())
@@ -221,6 +222,33 @@ def test_attention_rows_sharing_their_prefix_give_their_own_bits(isa: str, a: in
     case["cache_k"][:, case["new_slots"]], case["cache_v"][:, case["new_slots"]] = case["k"], case["v"]
     for r in (1, 2, 3, 4):
         assert torch.equal(_run_attention(case, [r], ops)[r], together[r])
+
+
+@pytest.mark.parametrize("isa", isa_ops())
+@pytest.mark.parametrize("prefix", [40, 300])
+def test_attention_rows_of_a_chain_share_their_last_span_with_their_own_bits(isa: str, prefix: int) -> None:
+    """A verified chain's rows (each row's slots the row before's and its own new one) share
+    every span, the last too although each row has its own number of slots there: each row's
+    result is the bits it has when attended alone, and close to SDPA over its slots."""
+    gen = torch.Generator().manual_seed(prefix)
+    h, hkv, d, t = 6, 2, 64, 5
+    slots = torch.randperm(prefix + t + 7, generator=gen)[: prefix + t]  # position -> slot
+    cache_k = torch.randn(hkv, prefix + t + 7, d, generator=gen)
+    cache_v = torch.randn(hkv, prefix + t + 7, d, generator=gen)
+    q, k, v = (torch.randn(n, t, d, generator=gen) for n in (h, hkv, hkv))
+    k *= 10  # the new keys' scores the largest: a row that weighed a later row's would show it
+    sees = [slots[: prefix + r + 1] for r in range(t)]
+    case = dict(q=q, k=k, v=v, cache_k=cache_k, cache_v=cache_v, sees=sees, new_slots=slots[prefix:])
+    ops = ops_of(isa)
+    together = _run_attention(case, list(range(t)), ops)
+    cache_k[:, slots[prefix:]], cache_v[:, slots[prefix:]] = k, v  # alone, a row needs the rows before
+    for r in range(t):
+        assert torch.equal(_run_attention(case, [r], ops)[r], together[r])
+        keys = cache_k[:, sees[r]].repeat_interleave(h // hkv, 0)  # (H, L, D)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[:, r : r + 1], keys, cache_v[:, sees[r]].repeat_interleave(h // hkv, 0)
+        )
+        torch.testing.assert_close(together[r], want[:, 0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("isa", isa_ops())

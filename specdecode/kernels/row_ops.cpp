@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -47,7 +48,10 @@ constexpr int MAX_QUERIES = 32;
 // (decoding a token) then has work for every thread however few its key/value heads, and reads
 // each key and value once for all the heads that share it. The spans depend only on the row's own
 // number of slots, so its result is the same alone or in any batch, whatever the thread count.
-constexpr int64_t SPAN = 64;
+// Spans of 64 wrote and merged ~4x the partial results (a 512-token prompt's, ~5 MB past L2) and
+// ran ~4x the tasks: SmolLM2's attention over a 512-token prompt took 1.5x as long, 8 rows over
+// 1024 slots 1.25x (2 threads, this Xeon); one row over 40-200 slots within noise of it.
+constexpr int64_t SPAN = 256;
 
 // Ask for the n rows of D floats at `base + slots[i] * D` now (the hardware's prefetching, a
 // stream or two per thread, read a row's keys and values at ~25 GB/s on two cores of a Zen 5).
@@ -96,14 +100,15 @@ inline int value_sums(int left, const T* vc, const int64_t* idx, int64_t n, cons
     return GN;
 }
 
-// Attention of G query rows (heads sharing one key/value head) of one row over `L` of its slots
-// (`idx`), unnormalised: for each head, its top score m (scaled), the sum l of exp(score - m), and
-// o = the sum of exp(score - m) v_j. NC = head_dim / 16; `s` is scratch for G x L scores, each
-// rounded up to 16. Slots come 16 at a time, each block's keys and values read from memory once
-// for all G heads; a head's scores are 16 keys at a time (`reduce16`: each the same sum as
-// `reduce` of its key's products), so a head's result is the same in any group.
+// Attention of G queries (heads sharing one key/value head, of rows sharing these slots) over
+// `L` slots (`idx`), query g over the first lens[g] of them, unnormalised: for each query, its top
+// score m (scaled), the sum l of exp(score - m), and o = the sum of exp(score - m) v_j. NC =
+// head_dim / 16; `s` is scratch for G x L scores, each rounded up to 16. Slots come 16 at a time,
+// each block's keys and values read from memory once for all G queries; a query's scores are 16
+// keys at a time (`reduce16`: each the same sum as `reduce` of its key's products), and slots
+// past its own add exact zeros, so a query's result is the same in any group.
 template <int NC, typename T>
-void attend_span(int G, const float* const* q, const T* __restrict kc, const T* __restrict vc,
+void attend_span(int G, const float* const* q, const int64_t* lens, const T* __restrict kc, const T* __restrict vc,
                  const int64_t* __restrict idx, int64_t L, int64_t L_all, float scale, float* __restrict s,
                  V (&o)[MAX_QUERIES][NC], float* m_out, float* l_out) {
     constexpr int64_t D = NC * 16;
@@ -127,9 +132,13 @@ void attend_span(int G, const float* const* q, const T* __restrict kc, const T* 
                 acc[k] = mul(qv[0], loadc(key[k]));
                 for (int c = 1; c < NC; ++c) acc[k] = fma(qv[c], loadc(key[k] + c * 16), acc[k]);
             }
-            const V x = mul(reduce16(acc), sc);
+            V x = mul(reduce16(acc), sc);
             storev(s + g * padded + j0, x);
-            top[g] = maxv(top[g], x);  // the repeated last key adds no new maximum
+            if (j0 + 16 > lens[g]) {  // slots past the query's own: no maximum (and no weight below)
+                std::fill(s + g * padded + std::max(j0, lens[g]), s + g * padded + j0 + 16, -INFINITY);
+                x = loadv(s + g * padded + j0);
+            }
+            top[g] = maxv(top[g], x);
         }
     }
     for (int g = 0; g < G; ++g) {
@@ -138,11 +147,12 @@ void attend_span(int G, const float* const* q, const T* __restrict kc, const T* 
         storev(lanes_top, top[g]);
         float m = -INFINITY;
         for (float t : lanes_top) m = t > m ? t : m;
-        std::fill(sg + L, sg + padded, m);
+        std::fill(sg + lens[g], sg + padded, m);
         const V mv = set1(m);
         V total = zero();
         for (int64_t j = 0; j < L; j += 16) storev(sg + j, exp_nonpositive(sub(loadv(sg + j), mv)));
-        std::fill(sg + L, sg + padded, 0.0f);  // past the last slot: no weight
+        std::fill(sg + lens[g], sg + padded, 0.0f);  // past the query's last slot: no weight (adding
+        // its zeros to the sums below changes no bit)
         for (int64_t j = 0; j < L; j += 16) total = add(total, loadv(sg + j));
         m_out[g] = m;
         l_out[g] = reduce(total);
@@ -158,16 +168,21 @@ void attend_span(int G, const float* const* q, const T* __restrict kc, const T* 
     }
 }
 
-// Rows whose slots over a span are the same share its task (`Span`): each block of keys and
-// values is read once for all of their queries, taken as more heads of the group. Every query's
-// arithmetic is its own, so a row's result is the same bits alone or sharing.
+// Rows whose slots over a span are the same, or one's the start of the other's, share its task
+// (`Span`): each block of keys and values is read once for all of their queries, taken as more
+// heads of the group. A prompt's rows and a verified chain's are such rows (each row's slots are
+// the row before's and its own): their last spans, of different lengths, are one task, not one
+// each. A query weighs only its own row's slots: those past them get no maximum and no weight,
+// so each query's arithmetic is its own, the same bits alone or sharing.
 struct Span {
-    int64_t first, n;  // the span's slots: a row's [first, first + n) of its list
+    int64_t first, n;  // the span's slots: row `longest`'s [first, first + n) of its list
     int count;         // rows sharing it
+    int32_t longest;   // the row whose slots these are: every other's are their start
     int32_t rows[MAX_QUERIES];
+    int64_t lens[MAX_QUERIES];  // each row's own slots of the span (a start of the n)
 };
 
-// Each row's slots in spans of SPAN, a span shared by consecutive rows with the same slots there
+// Each row's slots in spans of SPAN, a span shared by consecutive rows whose slots there agree
 // (at most `max_rows`); part_at: where a row of several spans keeps its partials (-1: one span).
 inline std::vector<Span> shared_spans(const int64_t* row_ptr, const int64_t* idx, int64_t n_rows, int max_rows,
                                       int64_t Hq, std::vector<int64_t>& part_at, int64_t& parts) {
@@ -183,15 +198,16 @@ inline std::vector<Span> shared_spans(const int64_t* row_ptr, const int64_t* idx
             if (at >= 0) {
                 Span& sp = spans[size_t(at)];
                 const int64_t* mine = idx + row_ptr[r] + j;
-                const int64_t* theirs = idx + row_ptr[sp.rows[0]] + j;
-                if (sp.n == n && sp.count < max_rows && std::equal(mine, mine + n, theirs)) {
-                    sp.rows[sp.count++] = int32_t(r);
+                const int64_t* theirs = idx + row_ptr[sp.longest] + j;
+                if (sp.count < max_rows && std::equal(mine, mine + std::min(n, sp.n), theirs)) {
+                    sp.rows[sp.count] = int32_t(r), sp.lens[sp.count++] = n;
+                    if (n > sp.n) sp.n = n, sp.longest = int32_t(r);
                     continue;
                 }
             }
             open[size_t(s)] = int64_t(spans.size());
-            Span sp{j, n, 1, {}};
-            sp.rows[0] = int32_t(r);
+            Span sp{j, n, 1, int32_t(r), {}, {}};
+            sp.rows[0] = int32_t(r), sp.lens[0] = n;
             spans.push_back(sp);
         }
         if (L > SPAN) part_at[size_t(r)] = parts, parts += (L + SPAN - 1) / SPAN * Hq;
@@ -236,7 +252,9 @@ void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, in
     int64_t parts = 0;
     const std::vector<Span> spans = shared_spans(row_ptr, idx, n_rows, int(MAX_QUERIES / per), Hq, part_at, parts);
     const auto n_spans = int64_t(spans.size());
-    std::vector<float> partial(size_t(parts * PART));
+    // Each span's partial result, every one written by its task before the merge reads it (left
+    // unzeroed: a 512-token prompt's are ~5 MB).
+    const std::unique_ptr<float[]> partial(new float[size_t(parts * PART)]);
     std::vector<float> rotated(cos != nullptr ? size_t(n_rows * Hq * D) : 0);
     const int64_t n_tasks = Hkv * n_spans * chunks;
     const std::vector<int64_t> task_ends = balanced_runs(spans, chunks, n_tasks, threads);
@@ -279,13 +297,15 @@ void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, in
             for (int64_t task = begin; task < task_ends[size_t(run)]; ++task) {
                 const int64_t kvh = task / (n_spans * chunks);
                 const Span& sp = spans[size_t(task / chunks % n_spans)];
-                const int64_t h0 = kvh * group + task % chunks * per, r0 = sp.rows[0];
+                const int64_t h0 = kvh * group + task % chunks * per, r0 = sp.longest;
                 const float* qs[MAX_QUERIES];  // query i: row sp.rows[i / per], head h0 + i % per
+                int64_t lens[MAX_QUERIES];      // and its row's own slots of the span
                 for (int64_t i = 0; i < sp.count * per; ++i) {
                     const int64_t r = sp.rows[i / per], h = h0 + i % per;
                     qs[i] = cos != nullptr ? rotated.data() + (r * Hq + h) * D : q + h * q_sh + rows[r] * q_st;
+                    lens[i] = sp.lens[i / per];
                 }
-                attend_span<NC, T>(int(sp.count * per), qs, kc + kvh * c_sh, vc + kvh * c_sh,
+                attend_span<NC, T>(int(sp.count * per), qs, lens, kc + kvh * c_sh, vc + kvh * c_sh,
                                    idx + row_ptr[r0] + sp.first, sp.n, row_ptr[r0 + 1] - row_ptr[r0] - sp.first,
                                    scale, scratch.data(), o, m, l);
                 for (int64_t i = 0; i < sp.count * per; ++i) {
@@ -295,7 +315,7 @@ void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, in
                         for (int c = 0; c < NC; ++c)
                             storev(out + rows[r] * o_st + h * D + c * 16, mul(o[i][c], iv));
                     } else {
-                        float* p = partial.data() + (part_at[size_t(r)] + sp.first / SPAN * Hq + h) * PART;
+                        float* p = partial.get() + (part_at[size_t(r)] + sp.first / SPAN * Hq + h) * PART;
                         for (int c = 0; c < NC; ++c) storev(p + c * 16, o[i][c]);
                         p[D] = m[i], p[D + 1] = l[i];
                     }
@@ -310,7 +330,7 @@ void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, in
             const int64_t r = task / Hq, h = task % Hq;
             if (part_at[size_t(r)] < 0) continue;
             const int64_t spans = (row_ptr[r + 1] - row_ptr[r] + SPAN - 1) / SPAN;
-            const float* first = partial.data() + (part_at[size_t(r)] + h) * PART;
+            const float* first = partial.get() + (part_at[size_t(r)] + h) * PART;
             float top = -INFINITY;
             for (int64_t i = 0; i < spans; ++i) top = std::max(top, first[i * Hq * PART + D]);
             V acc[NC];
