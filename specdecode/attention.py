@@ -22,11 +22,14 @@ from specdecode.kv_cache import SequenceCache
 # PREFILL_KERNEL_ROWS rows ending within its first PREFILL_KERNEL_CONTEXT positions take the row
 # kernel too (and with it the one-call decoder), whose rows read each span of keys once for all
 # that share it. Int8, 2 threads, Zen 4, one prompt: SmolLM2 200 / 600 / 1024 tokens 147 / 512 /
-# 1205 ms -> 127 / 467 / 1092; Qwen 1.5B 500 tokens 3452 -> 2816 ms. Past ~1500 positions SDPA
-# was faster (SmolLM2 2048 tokens: 3108 ms against 3475 with every chunk through the kernel).
+# 1205 ms -> 127 / 467 / 1092; Qwen 1.5B 500 tokens 3452 -> 2816 ms. With spans of 64, past
+# ~1500 positions SDPA was faster (SmolLM2 2048 tokens: 3108 ms against 3475). With spans of 256
+# and a prompt's last spans shared (session 34, int8, 2 threads, AVX-512 Xeon, every chunk through
+# the kernel against chunks past 1024 through SDPA, alternated): SmolLM2 1500 / 2048 / 3000 /
+# 5000 tokens 0.90x / 0.85x / 0.93x / 1.03x the time, Qwen 1.5B 2048 tokens 1.02x.
 KERNEL_MAX_ROWS = 64
 PREFILL_KERNEL_ROWS = 512
-PREFILL_KERNEL_CONTEXT = 1024
+PREFILL_KERNEL_CONTEXT = 2048
 
 
 def row_kernel_takes(seg: Segment) -> bool:
