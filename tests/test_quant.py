@@ -144,8 +144,8 @@ def test_a_drafts_prompt_rows_in_int8(isa: str, fmt: str) -> None:
     """`approximate()`'s prefill rows round x to int8 per group of 32 and sum x q in integers:
     exact (to float rounding) where that rounding keeps x, close elsewhere; each row on its own.
     Its decoding rows are the same int8 products for the 4-bit formats, Q6_K and Q8_0 (signed
-    quants) on AVX-512 and AVX2 (Q4_0 and Q4_1 read from their words on AVX-512, Q4_K from byte
-    pairs), bit for bit those of the prompt rows, one row or several; elsewhere (Q5_0, the
+    quants) on AVX-512 and AVX2 (Q4_0, Q4_1 and Q4_K read from their words on AVX-512, from byte
+    pairs on AVX2), bit for bit those of the prompt rows, one row or several; elsewhere (Q5_0, the
     portable build) they are the exact kernel's, bit for bit."""
     exact = quant_kernel(isa)
     assert exact is not None
@@ -218,7 +218,7 @@ def test_int8_rows_round_x_to_nearest_even(isa: str) -> None:
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_builds_without_vnni_give_the_same_int8_sums(isa: str, flag: str, fmt: str) -> None:
     """Where the CPU has AVX512-VNNI the AVX-512 build sums a draft's int8 rows with `vpdpbusd`
-    (and, with AVX512-VBMI, spreads Q4_K's and Q6_K's quads with byte permutes and multishifts, and
+    (and, with AVX512-VBMI, spreads Q6_K's quads with byte permutes and multishifts, and
     takes Q8_0's quants from three rows on as unsigned q + 128 with -128 sum(x) added back); where
     it has AVX-VNNI the AVX2 build does with its 256-bit `vpdpbusd`. Built without them (a CPU that
     lacks them), with `vpmaddubsw` pairs added in int16 and shifts and masks: the same integer

@@ -41,7 +41,7 @@ _BUILDS = {  # compiler flags of each instruction set's build
     "generic": (),
 }
 # Used where the CPU has them: AVX512-VNNI's int8 dot products (int8 rows: `quant.py`), AVX512-VBMI's
-# byte permutes and multishifts (Q4_K's and Q6_K's int8 decoding rows), and for the AVX2 build
+# byte permutes and multishifts (Q6_K's and Q8_0's int8 decoding rows), and for the AVX2 build
 # AVX-VNNI's 256-bit dot products (CPUs without AVX-512: Intel's client chips, AMD's Zen 5).
 _OPTIONAL = {
     "avx512": (("avx512_vnni", "-mavx512vnni"), ("avx512vbmi", "-mavx512vbmi")),

@@ -351,13 +351,14 @@ struct lanes_group {
 
 // The 4-bit quants of a group and tile, 256 bytes, laid out one of two ways. Byte pairs (GGUF's):
 // step j's 16 bytes at 16 j, output c's byte holding weight j in its low nibble and j + 16 in its
-// high, spread to lanes a step. Words (`words`, Q4_0 and Q4_1 on AVX-512): four runs of 64 bytes
-// (lo steps 0-7, lo 8-15, hi 0-7, hi 8-15), output c's quants in word c, step 8i + s's at bits
-// 4s; a step is a shift of words already in lanes and a table lookup of their low 4 bits
+// high, spread to lanes a step. Words (`words`, Q4_0, Q4_1 and Q4_K on AVX-512): four runs of 64
+// bytes (lo steps 0-7, lo 8-15, hi 0-7, hi 8-15), output c's quants in word c, step 8i + s's at
+// bits 4s; a step is a shift of words already in lanes and a table lookup of their low 4 bits
 // (vpermps reads no other bits), no bytes spread to lanes: on Zen 4, Q4_1 products of one and two
-// rows 7-8% faster. (Q4_K's groups of two rows were 8% slower in words, and AVX2's lookup takes a
-// mask and a conversion more a step than its byte pairs do: both keep byte pairs.) The same
-// quants either way, so the same products. `put4` writes one step's quants of output c (a tile's
+// rows 7-8% faster. Q4_K's float rows gain nothing from words (Zen 5: within ±10% either way at
+// 1-8 rows, 8 rows ~7% slower), but its int8 decoding rows read them as Q4_0's do, with no
+// permutes (below). AVX2's lookup takes a mask and a conversion more a step than its byte pairs
+// do: it keeps byte pairs. The same quants either way, so the same products. `put4` writes one step's quants of output c (a tile's
 // 256 bytes zeroed first where in words).
 #if defined(__AVX512F__)
 constexpr bool WORDS4 = true;
@@ -497,6 +498,8 @@ inline void q4_k_scale(const uint8_t* s, int g, int& sc, int& mn) {
 struct Q4_K_ : Uniform {
     static constexpr int weights = 256, bytes = 144, group_bytes = 32 + 256, packed = 64 + 8 * group_bytes, bits = 4;
     static void pack(const uint8_t* const* src, uint8_t* dst) {
+        if constexpr (WORDS4)
+            for (int g = 0; g < 8; ++g) std::memset(dst + 64 + g * group_bytes + 32, 0, 256);
         for (int c = 0; c < TILE; ++c) {
             const uint8_t* b = src[c];
             std::memcpy(dst + 2 * c, b, 2);
@@ -511,7 +514,7 @@ struct Q4_K_ : Uniform {
                 for (int j = 0; j < 16; ++j) {
                     const int lo = (g & 1) ? q[j] >> 4 : q[j] & 0xf;
                     const int hi = (g & 1) ? q[j + 16] >> 4 : q[j + 16] & 0xf;
-                    put4<false>(o + 32, c, j, lo, hi);
+                    put4<WORDS4>(o + 32, c, j, lo, hi);
                 }
             }
         }
@@ -523,7 +526,7 @@ struct Q4_K_ : Uniform {
         const V b = mul(sub(zero(), halves(t + 32)), to_float(u8_lanes(o + 16)));
         return {a, a, b, b, o + 32};
     }
-    static void quants(const Group& g, int j, V& lo, V& hi) { nibbles<false>(g.q, j, lo, hi); }
+    static void quants(const Group& g, int j, V& lo, V& hi) { nibbles<WORDS4>(g.q, j, lo, hi); }
 };
 
 // d (16 x fp16); per group of 32: int8 scales of its two halves (16 + 16 bytes: what the AVX-512
@@ -1210,18 +1213,19 @@ void int8_prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w
 // ---- decoding rows with int8 activations ----------------------------------------------------------
 // A model run with int8 activations (a draft's, or a target's where asked: `QuantCPU.approximate`)
 // may read its decoding rows (a token, or the few of a verified draft) in int8 too, for the 4-bit
-// formats, Q6_K and Q8_0. Where a format's quants sit in words (Q4_0, Q4_1 on AVX-512: `put4<true>`), a word's
+// formats, Q6_K and Q8_0. Where a format's quants sit in words (Q4_0, Q4_1, Q4_K on AVX-512: `put4<true>`), a word's
 // eight quants of a run (steps 8i .. 8i + 7 of a half group) are two sets of four bytes with no
 // spreading: its low nibbles (steps 8i + 0, 2, 4, 6) and its high ones (8i + 1, 3, 5, 7), each one
 // VNNI dot product with the row's int8 x in that order (`quantize_rows<true>`). A group of a tile is
 // then four loads, six integer operations and eight dot products a row, against 32 shifts and
-// lookups and 32 float multiply-adds a row. Quants in byte pairs (Q4_K everywhere; Q4_0, Q4_1 on
-// AVX2) go through `int8_pair_rows`, Q6_K's through `int8_q6_rows`, Q8_0's through `int8_q8_rows`.
+// lookups and 32 float multiply-adds a row (Q4_K's groups of Qwen 1.5B's MLP shape, 2 threads, Zen 5,
+// in-process A/B from memory: 0.69-0.83x the time of the byte pairs' quads at 1-4 rows). Quants in
+// byte pairs (Q4_0, Q4_1, Q4_K on AVX2) go through `int8_pair_rows`, Q6_K's through `int8_q6_rows`, Q8_0's through `int8_q8_rows`.
 // The integer sums are those of `int8_rows` and the floats after them the same operations in the
 // same order: the same bits as the int8 prefill rows, in any batch, on AVX-512 and AVX2. Q5_0 and
 // the portable build take the float decoding rows.
 template <class F>
-constexpr bool INT8_WORDS = WORDS4 && F::weights == 32 && F::bits == 4;
+constexpr bool INT8_WORDS = WORDS4 && F::bits == 4 && F::uniform;  // Q4_0, Q4_1, Q4_K
 
 #if defined(__AVX512F__)
 constexpr int IDR = 8;  // int8 decoding rows at a time (their sums in registers: 32 zmm, 16 ymm)
@@ -1237,8 +1241,7 @@ constexpr int IDR = 4;
 // `vpmaddubsw` each with x's matching pairs (`pair_x`) adds four products of each output. Summed in
 // int16 over a group's 8 step pairs (8 x 2 x 15 x 127 < 2^15), widened once per group: two loads,
 // five integer operations and four `vpmaddubsw` a step pair and row, against 8 float multiply-adds
-// a row and ~10 operations decoding the floats. (256-bit operations in the AVX-512 build too: Zen
-// 4 runs a 512-bit one as two.)
+// a row and ~10 operations decoding the floats.
 // int8 x (M, K) in `quantize_rows`'s order -> per group of 32 and step pair p (0..7) 32 bytes:
 // (x[2p], x[2p + 16]) in each int16 of the low 16, (x[2p + 1], x[2p + 17]) of the high: (M, 8 K).
 void pair_x(const int8_t* q, int64_t M, int64_t K, int8_t* out) {
@@ -1287,29 +1290,6 @@ template <class F, int R>
 __attribute__((noinline)) void int8_pair_rows(const int8_t* xp, const float* xd, const float* xs, int64_t K,
                                               const uint8_t* unit, int first, float* y, int64_t ldy, int valid) {
     Sums<R, 1> out;
-#if VBMI_QUADS
-    // With AVX512-VBMI a step pair's quads of all 16 outputs, in order, come from one byte permute
-    // (output c's bytes of steps 2p and 2p + 1, each twice) and one multishift (the low nibble of
-    // the first copy, the high of the second): one `vpdpbusd` of 16 lanes a row, no permutes of
-    // the sums (Qwen 1.5B's Q4_K shapes, 2 threads, Zen 4: 5% / 9% / 10% faster at 1 / 2 / 5
-    // rows; its int8 forward of 5 tokens ~6%, in-process A/B).
-    alignas(64) static constexpr uint8_t spread[64] = {
-        0, 0, 16, 16, 1, 1, 17, 17, 2, 2, 18, 18, 3, 3, 19, 19, 4, 4, 20, 20, 5, 5, 21, 21, 6, 6, 22, 22, 7, 7, 23, 23,
-        8, 8, 24, 24, 9, 9, 25, 25, 10, 10, 26, 26, 11, 11, 27, 27, 12, 12, 28, 28, 13, 13, 29, 29, 14, 14, 30, 30, 15, 15, 31, 31};
-    const __m512i index = _mm512_load_si512(spread), low = _mm512_set1_epi8(0x0F);
-    const __m512i shifts = _mm512_set1_epi64(int64_t(0x3C302C201C100C00ull));  // bits 0, 12, 16, 28 of a lane
-    tile_groups<F>(unit, K, first, [&](const typename F::Group& grp, int64_t g) {
-        VI acc[R];
-        for (int r = 0; r < R; ++r) acc[r] = zero_i();
-#pragma GCC unroll 8
-        for (int p = 0; p < 8; ++p) {
-            const __m512i bytes = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp.q + 32 * p)));
-            const __m512i w = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(index, bytes)), low);
-            for (int r = 0; r < R; ++r) acc[r] = {_mm512_dpbusd_epi32(acc[r].v, w, _mm512_set1_epi32(word4(xp + r * K + 32 * g + 4 * p)))};
-        }
-        for (int r = 0; r < R; ++r) out.set(r, 0, apply_int8<true>(grp, acc[r], acc[r], xd, xs, K, r, g, out.get(r, 0)));
-    });
-#else
     const __m256i low = _mm256_set1_epi8(0x0F);
     tile_groups<F>(unit, K, first, [&](const typename F::Group& grp, int64_t g) {
         // VNNI: int32, outputs 0-3 and 8-11, 4-7 and 12-15; else int16: outputs 0-7 and 8-15,
@@ -1353,7 +1333,6 @@ __attribute__((noinline)) void int8_pair_rows(const int8_t* xp, const float* xd,
             out.set(r, 0, apply_int8<true>(grp, sum, sum, xd, xs, K, r, g, out.get(r, 0)));
         }
     });
-#endif
     for (int r = 0; r < R; ++r) out.store(r, y + r * ldy + first * TILE, valid - first * TILE);
 }
 
@@ -1607,44 +1586,48 @@ __attribute__((noinline)) void int8_q8_rows(const int8_t* x8, const float* xd, c
 template <class F, int R, int S = (R == 1 ? 4 : R == 2 ? 2 : 1)>
 __attribute__((noinline)) void int8_word_rows(const int8_t* xq, const float* xd, const float* xs, int64_t K,
                                               const uint8_t* unit, float* y, int64_t ldy, int valid) {
-    constexpr int quants = F::packed - 256;  // a tile's block: its scales, then 256 bytes of words
+    constexpr int groups = F::weights / 32;
     const __m512i low = _mm512_set1_epi32(0x0F0F0F0F);
     V out[R][2];
     for (int r = 0; r < R; ++r) out[r][0] = out[r][1] = zero();
-    for (int64_t g = 0; g < K / 32; ++g) {
-        const uint8_t* block = unit + 2 * g * F::packed;
+    for (int64_t b = 0; b < K / F::weights; ++b) {
+        const uint8_t* block = unit + 2 * b * F::packed;
         prefetch_ahead<F>(block, 2 * F::packed);
-        VI acc[R][2][S];
-        for (int r = 0; r < R; ++r)
-            for (int c = 0; c < 2; ++c)
-                for (int i = 0; i < S; ++i) acc[r][c][i] = zero_i();
+        for (int i = 0; i < groups; ++i) {
+            const int64_t g = b * groups + i;
+            const uint8_t* const q[2] = {F::group(block, i).q, F::group(block + F::packed, i).q};  // its words
+            VI acc[R][2][S];
+            for (int r = 0; r < R; ++r)
+                for (int c = 0; c < 2; ++c)
+                    for (int s = 0; s < S; ++s) acc[r][c][s] = zero_i();
 #pragma GCC unroll 4  // constant runs: each sum a register of its own
-        for (int run = 0; run < 4; ++run) {
-            W8 even[2], odd[2];
-            for (int c = 0; c < 2; ++c) {
-                const __m512i words = _mm512_loadu_si512(block + c * F::packed + quants + 64 * run);
-                even[c] = {_mm512_and_si512(words, low)};
-                odd[c] = {_mm512_and_si512(_mm512_srli_epi32(words, 4), low)};
-            }
-            for (int r = 0; r < R; ++r) {
-                const int8_t* x8 = xq + r * K + 32 * g + 8 * run;
-                const X4 xe = bcast4(x8), xo = bcast4(x8 + 4);
-                const int e = (2 * run) % S, o = (2 * run + 1) % S;
+            for (int run = 0; run < 4; ++run) {
+                W8 even[2], odd[2];
                 for (int c = 0; c < 2; ++c) {
-                    acc[r][c][e] = dot4(acc[r][c][e], even[c], xe);
-                    acc[r][c][o] = dot4(acc[r][c][o], odd[c], xo);
+                    const __m512i words = _mm512_loadu_si512(q[c] + 64 * run);
+                    even[c] = {_mm512_and_si512(words, low)};
+                    odd[c] = {_mm512_and_si512(_mm512_srli_epi32(words, 4), low)};
+                }
+                for (int r = 0; r < R; ++r) {
+                    const int8_t* x8 = xq + r * K + 32 * g + 8 * run;
+                    const X4 xe = bcast4(x8), xo = bcast4(x8 + 4);
+                    const int e = (2 * run) % S, o = (2 * run + 1) % S;
+                    for (int c = 0; c < 2; ++c) {
+                        acc[r][c][e] = dot4(acc[r][c][e], even[c], xe);
+                        acc[r][c][o] = dot4(acc[r][c][o], odd[c], xo);
+                    }
                 }
             }
-        }
-        for (int c = 0; c < 2; ++c) {
-            const typename F::Group grp = F::group(block + c * F::packed, 0);
-            for (int r = 0; r < R; ++r) {  // `apply_int8<true>`, written out: through it one row was ~4% slower
-                const V d = set1(xd[r * (K / 32) + g]);
-                const float x_lo = xs[r * (K / 16) + 2 * g], x_hi = xs[r * (K / 16) + 2 * g + 1];
-                VI sum = acc[r][c][0];
-                for (int i = 1; i < S; ++i) sum = add_i(sum, acc[r][c][i]);
-                out[r][c] = fma(grp.a_lo, mul(to_float(sum), d), out[r][c]);
-                out[r][c] = fma(grp.b_lo, set1(x_lo + x_hi), out[r][c]);
+            for (int c = 0; c < 2; ++c) {
+                const typename F::Group grp = F::group(block + c * F::packed, i);
+                for (int r = 0; r < R; ++r) {  // `apply_int8<true>`, written out: through it one row was ~4% slower
+                    const V d = set1(xd[r * (K / 32) + g]);
+                    const float x_lo = xs[r * (K / 16) + 2 * g], x_hi = xs[r * (K / 16) + 2 * g + 1];
+                    VI sum = acc[r][c][0];
+                    for (int s = 1; s < S; ++s) sum = add_i(sum, acc[r][c][s]);
+                    out[r][c] = fma(grp.a_lo, mul(to_float(sum), d), out[r][c]);
+                    out[r][c] = fma(grp.b_lo, set1(x_lo + x_hi), out[r][c]);
+                }
             }
         }
     }
@@ -1743,7 +1726,7 @@ void int8_decoding_product(const float* x, int64_t M, int64_t K, const uint8_t* 
 // take the fewest operations to decode, so that x's broadcasts count (4-12% faster at 1-3 rows
 // on Zen 4), and Q4_0 and Q4_1 in words at one row (SmolLM2's forward of one token ~9% faster).
 template <class F>
-constexpr int PAIRED_ROWS = F::bits == 8 ? 3 : INT8_WORDS<F> ? 1 : 0;
+constexpr int PAIRED_ROWS = F::bits == 8 ? 3 : INT8_WORDS<F> && F::weights == 32 ? 1 : 0;
 
 template <class F>
 void product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t ldy,
