@@ -358,8 +358,8 @@ struct lanes_group {
 // rows 7-8% faster. Q4_K's float rows gain nothing from words (Zen 5: within ±10% either way at
 // 1-8 rows, 8 rows ~7% slower), but its int8 decoding rows read them as Q4_0's do, with no
 // permutes (below). AVX2's lookup takes a mask and a conversion more a step than its byte pairs
-// do: it keeps byte pairs. The same quants either way, so the same products. `put4` writes one step's quants of output c (a tile's
-// 256 bytes zeroed first where in words).
+// do: it keeps byte pairs. The same quants either way, so the same products. `put4` writes one
+// step's quants of output c (a tile's 256 bytes zeroed first where in words).
 #if defined(__AVX512F__)
 constexpr bool WORDS4 = true;
 #else
@@ -1213,14 +1213,15 @@ void int8_prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w
 // ---- decoding rows with int8 activations ----------------------------------------------------------
 // A model run with int8 activations (a draft's, or a target's where asked: `QuantCPU.approximate`)
 // may read its decoding rows (a token, or the few of a verified draft) in int8 too, for the 4-bit
-// formats, Q6_K and Q8_0. Where a format's quants sit in words (Q4_0, Q4_1, Q4_K on AVX-512: `put4<true>`), a word's
-// eight quants of a run (steps 8i .. 8i + 7 of a half group) are two sets of four bytes with no
-// spreading: its low nibbles (steps 8i + 0, 2, 4, 6) and its high ones (8i + 1, 3, 5, 7), each one
-// VNNI dot product with the row's int8 x in that order (`quantize_rows<true>`). A group of a tile is
-// then four loads, six integer operations and eight dot products a row, against 32 shifts and
-// lookups and 32 float multiply-adds a row (Q4_K's groups of Qwen 1.5B's MLP shape, 2 threads, Zen 5,
-// in-process A/B from memory: 0.69-0.83x the time of the byte pairs' quads at 1-4 rows). Quants in
-// byte pairs (Q4_0, Q4_1, Q4_K on AVX2) go through `int8_pair_rows`, Q6_K's through `int8_q6_rows`, Q8_0's through `int8_q8_rows`.
+// formats, Q6_K and Q8_0. Where a format's quants sit in words (Q4_0, Q4_1, Q4_K on AVX-512:
+// `put4<true>`), a word's eight quants of a run (steps 8i .. 8i + 7 of a half group) are two sets
+// of four bytes with no spreading: its low nibbles (steps 8i + 0, 2, 4, 6) and its high ones
+// (8i + 1, 3, 5, 7), each one VNNI dot product with the row's int8 x in that order
+// (`quantize_rows<true>`). A group of a tile is then four loads, six integer operations and eight
+// dot products a row, against 32 shifts and lookups and 32 float multiply-adds a row (Q4_K's
+// groups of Qwen 1.5B's MLP shape, 2 threads, Zen 5, in-process A/B from memory: 0.69-0.83x the
+// time of the byte pairs' quads at 1-4 rows). Quants in byte pairs (Q4_0, Q4_1, Q4_K on AVX2) go
+// through `int8_pair_rows`, Q6_K's through `int8_q6_rows`, Q8_0's through `int8_q8_rows`.
 // The integer sums are those of `int8_rows` and the floats after them the same operations in the
 // same order: the same bits as the int8 prefill rows, in any batch, on AVX-512 and AVX2. Q5_0 and
 // the portable build take the float decoding rows.
@@ -1677,7 +1678,7 @@ void int8_unit_rows(const int8_t* xq, const float* xd, const float* xs, int64_t 
             int8_q6_rows<F, R>(xq, xd, xs, K, unit, first, y, ldy, valid);
         } else if constexpr (Q8<F>) {
             int8_q8_rows<F, R>(xq, xd, xs, K, unit, first, y, ldy, valid);
-        } else {
+        } else if constexpr (!INT8_WORDS<F>) {  // AVX2's 4-bit formats (AVX-512's are in words)
             int8_pair_rows<F, R>(xq, xd, xs, K, unit, first, y, ldy, valid);
         }
     }
