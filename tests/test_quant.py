@@ -13,6 +13,7 @@ import torch
 from specdecode import LLM, SamplingParams
 from specdecode.errors import SpecDecodeError
 from specdecode.kernels import (
+    GGUF_LAYOUT,
     QUANT_FORMATS,
     REFERENCE,
     QuantPart,
@@ -78,8 +79,9 @@ def test_products_of_stored_weights(isa: str, fmt: str, outputs: int) -> None:
 @pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
 def test_avx2_and_avx512_give_the_same_bits(fmt: str) -> None:
     """Both builds keep the same quants and scales (AVX-512 its 4-bit quants in words, AVX2 in
-    GGUF's byte pairs) and the same 16 lanes of fused multiply-adds in the same order, so a model
-    decodes the same tokens on a CPU with AVX-512 and on one with only AVX2."""
+    GGUF's byte pairs for float rows and in words for int8 rows: the very bytes of AVX-512's) and
+    the same 16 lanes of fused multiply-adds in the same order, so a model decodes the same
+    tokens on a CPU with AVX-512 and on one with only AVX2."""
     wide, narrow = quant_kernel("avx512"), quant_kernel("avx2")
     if wide is None or narrow is None:
         pytest.skip("needs both the AVX-512 and the AVX2 build")
@@ -93,10 +95,16 @@ def test_avx2_and_avx512_give_the_same_bits(fmt: str) -> None:
         assert torch.equal(wide.matmul(x[:m], weight), narrow.matmul(x[:m], again))
         prompt = wide.matmul(x[:m], weight, prefill=True)
         assert torch.equal(prompt, narrow.matmul(x[:m], again, prefill=True))
-        draft = wide.approximate().matmul(x[:m], weight, prefill=True)  # integer sums, then the same floats
-        assert torch.equal(draft, narrow.approximate().matmul(x[:m], again, prefill=True))
-        decoding = wide.approximate().matmul(x[:m], weight)  # int8 (words, pairs, quads)
-        assert torch.equal(decoding, narrow.approximate().matmul(x[:m], again))
+    wide8, narrow8 = wide.approximate(), narrow.approximate()
+    weight8, again8 = wide8.pack(weight), narrow8.pack(again)  # AVX2's 4-bit quants laid out anew
+    assert wide8.layout == narrow8.layout == wide.layout
+    for a, b in zip(weight8.parts, again8.parts, strict=True):
+        assert torch.equal(a.data, b.data)
+    for m in (1, 2, 3, 5, 12, 24, 40):
+        draft = wide8.matmul(x[:m], weight8, prefill=True)  # integer sums, then the same floats
+        assert torch.equal(draft, narrow8.matmul(x[:m], again8, prefill=True))
+        decoding = wide8.matmul(x[:m], weight8)  # int8 (words, quads)
+        assert torch.equal(decoding, narrow8.matmul(x[:m], again8))
 
 
 @pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
@@ -144,14 +152,24 @@ def test_a_drafts_prompt_rows_in_int8(isa: str, fmt: str) -> None:
     """`approximate()`'s prefill rows round x to int8 per group of 32 and sum x q in integers:
     exact (to float rounding) where that rounding keeps x, close elsewhere; each row on its own.
     Its decoding rows are the same int8 products for the 4-bit formats, Q6_K and Q8_0 (signed
-    quants) on AVX-512 and AVX2 (Q4_0, Q4_1 and Q4_K read from their words on AVX-512, from byte
-    pairs on AVX2), bit for bit those of the prompt rows, one row or several; elsewhere (Q5_0, the
-    portable build) they are the exact kernel's, bit for bit."""
+    quants) on AVX-512 and AVX2 (Q4_0, Q4_1 and Q4_K read from their words), bit for bit those of
+    the prompt rows, one row or several; elsewhere (Q5_0, the portable build) they are the exact
+    kernel's, bit for bit. Its layout may hold the quants another way than the exact kernel's
+    (AVX2: words, not byte pairs): a weight packed by one is laid out for the other, the same
+    values, and back to the same bytes."""
     exact = quant_kernel(isa)
     assert exact is not None
     draft = exact.approximate()
-    assert draft.layout == exact.layout and draft.name != exact.name
-    weight = exact.pack(random_weight(fmt, 45, 512, seed=3))  # a unit padded
+    assert draft.name != exact.name and draft.layout == (exact.layout if isa != "avx2" else "tiles32-words4")
+    packed = exact.pack(random_weight(fmt, 45, 512, seed=3))  # a unit padded
+    weight = draft.pack(packed)
+    assert draft.repacks(exact.layout) == (draft.layout != exact.layout) and exact.repacks(GGUF_LAYOUT)
+    assert torch.equal(draft.dequantize(weight), exact.dequantize(packed))
+    back = exact.pack(weight)
+    assert all(torch.equal(a.data, b.data) for a, b in zip(back.parts, packed.parts, strict=True))
+    if draft.layout != exact.layout:  # each reads its own layout only
+        with pytest.raises(ValueError, match="packed by it"):
+            exact.matmul(torch.ones(1, 512), weight)
     w = dequantize(random_weight(fmt, 45, 512, seed=3)).double()  # (in, out)
     x = on_int8_grid(70, 512, seed=4)
     want = x.double() @ w
@@ -165,12 +183,12 @@ def test_a_drafts_prompt_rows_in_int8(isa: str, fmt: str) -> None:
     decoding = draft.matmul(noisy, weight)
     if isa in ("avx512", "avx2") and fmt in INT8_DECODED:
         assert torch.equal(decoding, draft.matmul(noisy, weight, prefill=True))
-        assert not torch.equal(decoding, exact.matmul(noisy, weight))
+        assert not torch.equal(decoding, exact.matmul(noisy, packed))
         for m in (1, 2, 3, 4, 5, 9):  # each register block size, and several passes of them
             assert torch.equal(draft.matmul(noisy[:m], weight), decoding[:m]), m
         assert torch.equal(torch.cat([draft.matmul(noisy[i : i + 1], weight) for i in range(20)]), decoding)
     else:
-        assert torch.equal(decoding, exact.matmul(noisy, weight))
+        assert torch.equal(decoding, exact.matmul(noisy, packed))
 
 
 def identity_q8_0(n: int) -> QuantWeight:
@@ -229,7 +247,7 @@ def test_builds_without_vnni_give_the_same_int8_sums(isa: str, flag: str, fmt: s
     lib = cpu_isa.library(isa, optional=False)
     assert lib is not None
     plain = QuantCPU(isa, lib).approximate()
-    weight = vnni.pack(random_weight(fmt, 40, 768, seed=11))
+    weight = vnni.approximate().pack(random_weight(fmt, 40, 768, seed=11))
     x = torch.randn(9, 768, generator=torch.Generator().manual_seed(12))
     want = vnni.approximate().matmul(x, weight, prefill=True)
     assert torch.equal(plain.matmul(x, weight, prefill=True), want)
@@ -281,8 +299,11 @@ def test_a_kernel_takes_only_weights_in_its_layout() -> None:
     stored = random_weight("Q4_0", 32, 64, seed=0)
     with pytest.raises(ValueError, match="not laid out as gguf"):
         kernel.matmul(torch.randn(1, 64), stored)
-    with pytest.raises(ValueError, match="cannot pack a weight laid out as"):
-        kernel.pack(kernel.pack(stored))
+    packed = kernel.pack(stored)
+    assert kernel.pack(packed) is packed  # its own layout: as it is
+    other = QuantWeight(64, (QuantPart("Q4_0", packed.parts[0].data, "tiles16", 32),))  # no build's
+    with pytest.raises(ValueError, match="cannot pack a weight laid out as tiles16"):
+        kernel.pack(other)
     with pytest.raises(ValueError, match="gguf-py cannot read"):
         dequantize(kernel.pack(stored))
 
@@ -535,6 +556,12 @@ def test_a_target_with_int8_activations_speculates_exactly(quant_gguf: Path) -> 
         alone = torch.cat([model(ids[:, t : t + 1], torch.tensor([[t]]), cache)[0] for t in range(24, 30)])
         assert torch.equal(rows, alone)
         float_rows = exact.model(ids, torch.arange(30)[None], exact.model.new_cache(64))[0, 24:]
+    quant = model.kernels.quant
+    for layer in model.layers:  # laid out anew for the int8 rows where that differs, not dequantized
+        for dense in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            assert dense.quantized is not None and dense.kernel is quant
+            assert dense.quantized.layout == quant.layout
+    assert model.one_call.decoder is not None
     assert not torch.equal(rows, float_rows)
     assert float(torch.nn.functional.cosine_similarity(rows, float_rows).mean()) > 0.9
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -206,6 +206,10 @@ QUANT_FORMATS = {  # name: (ggml type id, weights per block, bytes per block)
 
 
 GGUF_LAYOUT = "gguf"  # blocks as a GGUF file stores them: one row of blocks per output
+# A CPU layout whose name ends so holds the 4-bit quants of WORD_FORMATS in words (quant_gemm.cpp's
+# `put4`), and its kernel calls name those formats with WORDS added to the ggml type id.
+WORDS_SUFFIX, WORDS = "-words4", 256
+WORD_FORMATS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 
 
 @dataclass(frozen=True)
@@ -227,6 +231,13 @@ class QuantPart:
             object.__setattr__(self, "rows", int(self.data.shape[0]))
 
 
+def kernel_format(part: QuantPart) -> int:
+    """The format id a kernel call takes for `part`: its ggml type id, plus WORDS where its
+    layout holds its 4-bit quants in words."""
+    words = part.format in WORD_FORMATS and part.layout.endswith(WORDS_SUFFIX)
+    return QUANT_FORMATS[part.format][0] | (WORDS if words else 0)
+
+
 @dataclass(frozen=True)
 class QuantWeight:
     """A linear weight (in_features -> the parts' rows, stacked) kept as stored. A fused matrix
@@ -245,13 +256,13 @@ class QuantWeight:
 
     @functools.cached_property
     def calls(self) -> tuple[tuple[int, int, int, int], ...]:
-        """Per part: (ggml type id, data address, rows, first output column), what a kernel
-        call takes; worked out once (a decoding step makes ~120 products)."""
+        """Per part: (format id (`kernel_format`), data address, rows, first output column), what
+        a kernel call takes; worked out once (a decoding step makes ~120 products)."""
         firsts = [0]
         for p in self.parts:
             firsts.append(firsts[-1] + p.rows)
         return tuple(
-            (QUANT_FORMATS[p.format][0], p.data.data_ptr(), p.rows, first)
+            (kernel_format(p), p.data.data_ptr(), p.rows, first)
             for p, first in zip(self.parts, firsts, strict=False)
         )
 
@@ -271,7 +282,13 @@ class QuantKernel(Protocol):
     formats: frozenset[str]
 
     def pack(self, weight: QuantWeight) -> QuantWeight:
-        """A weight in the GGUF layout -> the same quants and scales in the kernel's layout."""
+        """A weight in the GGUF layout, or in a layout `repacks` names -> the same quants and
+        scales in the kernel's layout."""
+        ...
+
+    def repacks(self, layout: str) -> bool:
+        """Whether `pack` takes weights laid out as `layout` (the GGUF's, or another of the same
+        build's layouts: its float and int8 rows may read the 4-bit quants laid out differently)."""
         ...
 
     def matmul(
@@ -297,7 +314,8 @@ class QuantKernel(Protocol):
         ...
 
     def approximate(self) -> QuantKernel:
-        """A kernel of the same layout for a draft model, whose rows may be computed with less
-        precision, faster (`prefill` rows, and decoding rows where its format allows; a draft's
-        decoding rows stay the same alone or in any batch); itself where it has no such way."""
+        """A kernel for a draft model (its layout may differ: `repacks` takes this one's), whose
+        rows may be computed with less precision, faster (`prefill` rows, and decoding rows where
+        its format allows; a draft's decoding rows stay the same alone or in any batch); itself
+        where it has no such way."""
         ...

@@ -55,10 +55,11 @@ DECODING, EXACT_PREFILL, INT8_PREFILL, INT8_DECODING = 0, 1, 2, 3
 UNIT = 32  # outputs of one unit of quant_gemm.cpp's layouts (32 outputs interleaved block by block)
 
 
-def layout(lib: ctypes.CDLL) -> str:
-    """The name of a build's layout of stored weights (quant_gemm.cpp's `specdecode_qlayout`: the
-    4-bit quants in words on AVX-512, in GGUF's byte pairs elsewhere)."""
-    return lib.specdecode_qlayout().decode()
+def layout(lib: ctypes.CDLL, int8: bool = False) -> str:
+    """The name of a build's layout of stored weights for float32 activations, or with `int8` for
+    int8 ones (quant_gemm.cpp's `specdecode_qlayout`, `specdecode_qlayout_int8`: the 4-bit quants
+    in words on AVX-512, and on AVX2 for int8 rows; in GGUF's byte pairs elsewhere)."""
+    return (lib.specdecode_qlayout_int8 if int8 else lib.specdecode_qlayout)().decode()
 
 
 @functools.cache
@@ -78,8 +79,11 @@ def library(isa: str, optional: bool = True) -> ctypes.CDLL | None:
     if lib is None:
         return None
     p, i, f, n = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-    lib.specdecode_qlayout.argtypes = []
-    lib.specdecode_qlayout.restype = ctypes.c_char_p
+    for name in ("specdecode_qlayout", "specdecode_qlayout_int8"):
+        getattr(lib, name).argtypes = []
+        getattr(lib, name).restype = ctypes.c_char_p
+    lib.specdecode_qrelayout.argtypes = [n, p, i, i, p]
+    lib.specdecode_qrelayout.restype = n
     lib.specdecode_qpacked_bytes.argtypes = [n, i, i]
     lib.specdecode_qpacked_bytes.restype = i
     lib.specdecode_qpack.argtypes = [n, p, i, i, p]
@@ -310,7 +314,7 @@ class Decoder:
 
     def approximate(self) -> Decoder:
         """This decoder with a draft's rows read in int8 (`QuantCPU.approximate`)."""
-        return Decoder(self._lib, self._layout, INT8_DECODING, INT8_PREFILL)
+        return Decoder(self._lib, layout(self._lib, int8=True), INT8_DECODING, INT8_PREFILL)
 
     def prepare(self, layers: Sequence[LayerWeights]) -> Prepared | None:
         if not layers:

@@ -14,7 +14,14 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from specdecode.kernels.base import GGUF_LAYOUT, QUANT_FORMATS, QuantPart, QuantWeight
+from specdecode.kernels.base import (
+    GGUF_LAYOUT,
+    QUANT_FORMATS,
+    WORDS,
+    QuantPart,
+    QuantWeight,
+    kernel_format,
+)
 from specdecode.kernels.cpu_isa import (
     DECODING,
     EXACT_PREFILL,
@@ -38,23 +45,35 @@ class QuantCPU:
         self, isa: str, lib: ctypes.CDLL, decoding: int = DECODING, prefill: int = EXACT_PREFILL
     ) -> None:
         self.isa, self._lib, self.decoding, self.prefill = isa, lib, decoding, prefill
-        self.layout = layout(lib)  # the build's own: weights it packs run on it (and its kind) only
+        # The build's own (weights it packs run on it, and its kind, only): its int8 rows' may
+        # hold the 4-bit quants another way than its float rows' (AVX2: words, byte pairs).
+        self.layout = layout(lib, int8=decoding == INT8_DECODING)
+        self._siblings = {layout(lib), layout(lib, int8=True)} - {self.layout}
         self.name = f"cpu-quant-{isa}" + ("-int8" if prefill == INT8_PREFILL else "")
 
     def approximate(self) -> QuantCPU:
         """These products with their rows read in int8 (see `quant_gemm.cpp`; a draft's, or a
         target's with int8 activations): prompt rows (~2.5x faster prefill with AVX512-VNNI)
         and, for Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 on AVX-512 and AVX2, decoding rows; the others keep
-        the float decoding rows. The same layout: weights packed for one run on the other."""
+        the float decoding rows. On AVX2 its layout holds the 4-bit quants in words, which its
+        int8 rows read in fewer operations (the float rows' byte pairs are faster for them):
+        `pack` lays out a weight packed by either for the other."""
         return QuantCPU(self.isa, self._lib, INT8_DECODING, INT8_PREFILL)
 
+    def repacks(self, layout: str) -> bool:
+        return layout == GGUF_LAYOUT or layout in self._siblings
+
     def pack(self, weight: QuantWeight) -> QuantWeight:
+        if weight.layout == self.layout:
+            return weight
+        if weight.layout in self._siblings:
+            return self._relayout(weight)
         if weight.layout != GGUF_LAYOUT:
             raise ValueError(f"{self.name}: cannot pack a weight laid out as {weight.layout}")
         k = weight.in_features
         packed = []
         for group in _mergeable(weight.parts):
-            fmt = QUANT_FORMATS[group[0].format][0]
+            fmt = kernel_format(QuantPart(group[0].format, group[0].data, self.layout, group[0].rows))
             rows = sum(p.rows for p in group)
             size = self._lib.specdecode_qpacked_bytes(fmt, rows, k)
             if size < 0:
@@ -67,6 +86,21 @@ class QuantCPU:
                 at += self._lib.specdecode_qpacked_bytes(fmt, part.rows, k)
             packed.append(QuantPart(group[0].format, out, self.layout, rows))
         return QuantWeight(k, tuple(packed))
+
+    def _relayout(self, weight: QuantWeight) -> QuantWeight:
+        """A weight packed in a sibling layout -> this one: the 4-bit formats' quants laid out
+        anew (a copy), the others' bytes the same in both (shared)."""
+        k, parts = weight.in_features, []
+        for part in weight.parts:
+            mine = QuantPart(part.format, part.data, self.layout, part.rows)
+            fmt = kernel_format(mine)
+            if fmt != kernel_format(part):  # its quants are laid out differently
+                src, out = part.data.contiguous(), torch.empty_like(part.data)
+                if self._lib.specdecode_qrelayout(fmt, src.data_ptr(), part.rows, k, out.data_ptr()):
+                    raise ValueError(f"{self.name}: cannot lay out {part.format} rows of {k} weights anew")
+                mine = QuantPart(part.format, out, self.layout, part.rows)
+            parts.append(mine)
+        return QuantWeight(k, tuple(parts))
 
     def _check(self, weight: QuantWeight) -> None:
         if weight.layout != self.layout:
@@ -86,7 +120,7 @@ class QuantCPU:
             how = self.prefill if prefill else self.decoding
             for fmt, data, rows, first in weight.calls:
                 if self._lib.specdecode_qmm(fmt, xp, m, k, data, rows, yp + 4 * first, n, threads, how):
-                    name = next(f for f, (i, _, _) in QUANT_FORMATS.items() if i == fmt)
+                    name = next(f for f, (i, _, _) in QUANT_FORMATS.items() if i == fmt & ~WORDS)
                     raise ValueError(f"{self.name}: cannot multiply {name} rows of {k} weights")
         if bias is not None:
             y += bias
@@ -111,7 +145,7 @@ class QuantCPU:
 
     def _rows(self, part: QuantPart, k: int, ids: Tensor, out: Tensor) -> None:
         """Rows `ids` (n,) of one packed part into out (n, k)."""
-        fmt, n = QUANT_FORMATS[part.format][0], ids.numel()
+        fmt, n = kernel_format(part), ids.numel()
         if self._lib.specdecode_qrows(fmt, part.data.data_ptr(), k, ids.data_ptr(), n, out.data_ptr()):
             raise ValueError(f"{self.name}: cannot read {part.format} rows of {k} weights")
 
@@ -124,8 +158,7 @@ class QuantCPU:
         first = weight.parts[0]
         if not 0 < n <= first.rows or (n % UNIT and n != first.rows):
             return None
-        fmt = QUANT_FORMATS[first.format][0]
-        size = self._lib.specdecode_qpacked_bytes(fmt, n, weight.in_features)
+        size = self._lib.specdecode_qpacked_bytes(kernel_format(first), n, weight.in_features)
         return QuantWeight(weight.in_features, (QuantPart(first.format, first.data[:size], self.layout, n),))
 
 

@@ -212,6 +212,7 @@ struct P {
 };
 inline P pairs(W8 w, X4 x) { return {_mm512_maddubs_epi16(w.v, x.v)}; }
 inline P add16(P a, P b) { return {_mm512_add_epi16(a.v, b.v)}; }
+inline P zero_p() { return {_mm512_setzero_si512()}; }
 inline VI widen_add(VI acc, P p) { return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(p.v, _mm512_set1_epi16(1)))}; }
 #if defined(__AVX512VNNI__)
 constexpr bool VNNI = true;
@@ -226,6 +227,7 @@ inline VI dot4s(VI acc, W8 w, X4 x) {
 }
 #elif defined(__AVX2__)
 inline VI to_int(V a) { return {_mm256_cvttps_epi32(a.lo), _mm256_cvttps_epi32(a.hi)}; }
+inline VI add_i(VI a, VI b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
 inline VI zero_i() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 inline void store_i(uint8_t* p, VI a) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a.lo);
@@ -247,6 +249,7 @@ struct P {
 };
 inline P pairs(W8 w, X4 x) { return {_mm256_maddubs_epi16(w.lo, x.v), _mm256_maddubs_epi16(w.hi, x.v)}; }
 inline P add16(P a, P b) { return {_mm256_add_epi16(a.lo, b.lo), _mm256_add_epi16(a.hi, b.hi)}; }
+inline P zero_p() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 inline VI widen_add(VI acc, P p) {
     const __m256i one = _mm256_set1_epi16(1);
     return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(p.lo, one)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(p.hi, one))};
@@ -357,13 +360,24 @@ struct lanes_group {
 // (vpermps reads no other bits), no bytes spread to lanes: on Zen 4, Q4_1 products of one and two
 // rows 7-8% faster. Q4_K's float rows gain nothing from words (Zen 5: within ±10% either way at
 // 1-8 rows, 8 rows ~7% slower), but its int8 decoding rows read them as Q4_0's do, with no
-// permutes (below). AVX2's lookup takes a mask and a conversion more a step than its byte pairs
-// do: it keeps byte pairs. The same quants either way, so the same products. `put4` writes one
-// step's quants of output c (a tile's 256 bytes zeroed first where in words).
+// permutes (below). AVX2's float rows take a mask and a conversion more a step from words than
+// from byte pairs (Zen 5, AVX2 build, in-process: one and two rows of Q4_1 and Q4_K 4-12% slower),
+// while its int8 decoding rows take fewer operations from words (two masks and a shift a run
+// against a permute and four unpacks a step pair: 0.71-0.88x the time at 1-16 rows): so on AVX2
+// the float layout (`WORDS4`, the build's `specdecode_qlayout`) keeps byte pairs and the int8
+// one (`specdecode_qlayout_int8`, what `QuantCPU.approximate` packs) has words. Each format is
+// a template of its layout (`W`). The same quants either way, so the same products. `put4` writes
+// one step's quants of output c (a tile's 256 bytes zeroed first where in words); `get4` reads it.
 #if defined(__AVX512F__)
 constexpr bool WORDS4 = true;
 #else
 constexpr bool WORDS4 = false;
+#endif
+// The int8 layout's: words wherever there are int8 decoding rows to read them.
+#if defined(__AVX2__)
+constexpr bool INT8_WORDS4 = true;
+#else
+constexpr bool INT8_WORDS4 = WORDS4;
 #endif
 
 template <bool words>
@@ -373,6 +387,16 @@ inline void put4(uint8_t* q, int c, int j, int lo, int hi) {
         q[128 + 64 * (j / 8) + 4 * c + (j % 8) / 2] |= uint8_t((hi & 15) << (4 * (j % 2)));
     } else {
         q[16 * j + c] = uint8_t((lo & 15) | (hi & 15) << 4);
+    }
+}
+
+template <bool words>
+inline void get4(const uint8_t* q, int c, int j, int& lo, int& hi) {
+    if constexpr (words) {
+        lo = q[64 * (j / 8) + 4 * c + (j % 8) / 2] >> (4 * (j % 2)) & 15;
+        hi = q[128 + 64 * (j / 8) + 4 * c + (j % 8) / 2] >> (4 * (j % 2)) & 15;
+    } else {
+        lo = q[16 * j + c] & 15, hi = q[16 * j + c] >> 4;
     }
 }
 
@@ -387,6 +411,14 @@ inline void nibbles(const uint8_t* q, int j, V& lo, V& hi) {  // step j's quants
         hi = {_mm512_permutexvar_ps(h.v, values)};
         return;
     }
+#else
+    if constexpr (words) {  // a shift, a mask and a conversion
+        VI l = u32_lanes(q + 64 * (j / 8)), h = u32_lanes(q + 128 + 64 * (j / 8));
+        if (j % 8) l = shr(l, 4 * (j % 8)), h = shr(h, 4 * (j % 8));
+        lo = to_float(and_(l, 15));
+        hi = to_float(and_(h, 15));
+        return;
+    }
 #endif
     const VI v = u8_lanes(q + 16 * j);
     lo = to_float(and_(v, 15));
@@ -399,46 +431,50 @@ inline void nibbles(const uint8_t* q, int j, V& lo, V& hi) {  // step j's quants
 // a group of a tile's block ready to decode (`group` makes it), `quants`, step j's quants, and
 // `uniform`, whether both halves of a group share their scales.
 struct Uniform {
-    static constexpr bool uniform = true;
+    static constexpr bool uniform = true, words = false;
     using Group = lanes_group;
 };
 
+template <bool W = WORDS4>
 struct Q4_0_ : Uniform {  // d (16 x fp16), then the 4-bit quants (`put4`)
     static constexpr int weights = 32, bytes = 18, packed = TILE * bytes, bits = 4;
+    static constexpr bool words = W;
     static void pack(const uint8_t* const* src, uint8_t* dst) {
-        if constexpr (WORDS4) std::memset(dst + 32, 0, 256);  // words are put a nibble at a time
+        if constexpr (W) std::memset(dst + 32, 0, 256);  // words are put a nibble at a time
         for (int c = 0; c < TILE; ++c) {
             std::memcpy(dst + 2 * c, src[c], 2);
-            for (int j = 0; j < 16; ++j) put4<WORDS4>(dst + 32, c, j, src[c][2 + j], src[c][2 + j] >> 4);
+            for (int j = 0; j < 16; ++j) put4<W>(dst + 32, c, j, src[c][2 + j], src[c][2 + j] >> 4);
         }
     }
     static Group group(const uint8_t* t, int) {
         const V d = halves(t), b = mul(d, set1(-8.0f));  // d (q - 8) = fma(q, d, -8 d): exact
         return {d, d, b, b, t + 32};
     }
-    static void quants(const Group& g, int j, V& lo, V& hi) { nibbles<WORDS4>(g.q, j, lo, hi); }
+    static void quants(const Group& g, int j, V& lo, V& hi) { nibbles<W>(g.q, j, lo, hi); }
 };
 
+template <bool W = WORDS4>
 struct Q4_1_ : Uniform {  // d, m (16 x fp16 each), the 4-bit quants
     static constexpr int weights = 32, bytes = 20, packed = TILE * bytes, bits = 4;
+    static constexpr bool words = W;
     static void pack(const uint8_t* const* src, uint8_t* dst) {
-        if constexpr (WORDS4) std::memset(dst + 64, 0, 256);
+        if constexpr (W) std::memset(dst + 64, 0, 256);
         for (int c = 0; c < TILE; ++c) {
             std::memcpy(dst + 2 * c, src[c], 2);
             std::memcpy(dst + 32 + 2 * c, src[c] + 2, 2);
-            for (int j = 0; j < 16; ++j) put4<WORDS4>(dst + 64, c, j, src[c][4 + j], src[c][4 + j] >> 4);
+            for (int j = 0; j < 16; ++j) put4<W>(dst + 64, c, j, src[c][4 + j], src[c][4 + j] >> 4);
         }
     }
     static Group group(const uint8_t* t, int) {
         const V d = halves(t), m = halves(t + 32);
         return {d, d, m, m, t + 64};
     }
-    static void quants(const Group& g, int j, V& lo, V& hi) { nibbles<WORDS4>(g.q, j, lo, hi); }
+    static void quants(const Group& g, int j, V& lo, V& hi) { nibbles<W>(g.q, j, lo, hi); }
 };
 
 struct Q5_0_ {  // d, the fifth bits (16 x uint32: bit k of output c), nibble pairs
     static constexpr int weights = 32, bytes = 22, packed = TILE * bytes, bits = 5;
-    static constexpr bool uniform = true;
+    static constexpr bool uniform = true, words = false;
     static void pack(const uint8_t* const* src, uint8_t* dst) {
         for (int c = 0; c < TILE; ++c) {
             std::memcpy(dst + 2 * c, src[c], 2);
@@ -495,10 +531,12 @@ inline void q4_k_scale(const uint8_t* s, int g, int& sc, int& mn) {
 // d, dmin (16 x fp16 each); per group of 32: scales (16 bytes), mins (16 bytes), nibble pairs.
 // GGUF keeps groups 2i and 2i + 1 as the low and high nibbles of the same 32 bytes; here each
 // group has its own, in byte pairs (`put4`: weights j and j + 16 in a byte).
+template <bool W = WORDS4>
 struct Q4_K_ : Uniform {
     static constexpr int weights = 256, bytes = 144, group_bytes = 32 + 256, packed = 64 + 8 * group_bytes, bits = 4;
+    static constexpr bool words = W;
     static void pack(const uint8_t* const* src, uint8_t* dst) {
-        if constexpr (WORDS4)
+        if constexpr (W)
             for (int g = 0; g < 8; ++g) std::memset(dst + 64 + g * group_bytes + 32, 0, 256);
         for (int c = 0; c < TILE; ++c) {
             const uint8_t* b = src[c];
@@ -514,7 +552,7 @@ struct Q4_K_ : Uniform {
                 for (int j = 0; j < 16; ++j) {
                     const int lo = (g & 1) ? q[j] >> 4 : q[j] & 0xf;
                     const int hi = (g & 1) ? q[j + 16] >> 4 : q[j + 16] & 0xf;
-                    put4<WORDS4>(o + 32, c, j, lo, hi);
+                    put4<W>(o + 32, c, j, lo, hi);
                 }
             }
         }
@@ -526,7 +564,7 @@ struct Q4_K_ : Uniform {
         const V b = mul(sub(zero(), halves(t + 32)), to_float(u8_lanes(o + 16)));
         return {a, a, b, b, o + 32};
     }
-    static void quants(const Group& g, int j, V& lo, V& hi) { nibbles<WORDS4>(g.q, j, lo, hi); }
+    static void quants(const Group& g, int j, V& lo, V& hi) { nibbles<W>(g.q, j, lo, hi); }
 };
 
 // d (16 x fp16); per group of 32: int8 scales of its two halves (16 + 16 bytes: what the AVX-512
@@ -535,7 +573,7 @@ struct Q4_K_ : Uniform {
 // took 13 integer operations to put together, more than its multiply-adds at 4 rows.)
 struct Q6_K_ {
     static constexpr int weights = 256, bytes = 210, group_bytes = 32 + 384, packed = 32 + 8 * group_bytes, bits = 6;
-    static constexpr bool uniform = false;  // each half of a group has its own scale
+    static constexpr bool uniform = false, words = false;  // each half of a group has its own scale
     using Group = lanes_group;
     static void pack(const uint8_t* const* src, uint8_t* dst) {
         for (int c = 0; c < TILE; ++c) {
@@ -1059,9 +1097,12 @@ inline float quantize_group(const float* v, int8_t* q) {
     for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], inv));
     // packs work per 128-bit lane: dwords come out as 0 4 1 5 2 6 3 7 of the wanted order
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
-                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    if constexpr (words) in_word_order(q);
+    __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if constexpr (words) {  // each run of 8 as 0 2 4 6 1 3 5 7
+        const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+        ordered = _mm256_shuffle_epi8(ordered, _mm256_broadcastsi128_si256(order));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
     return amax / 127.0f;
 }
 #else
@@ -1220,13 +1261,14 @@ void int8_prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w
 // (`quantize_rows<true>`). A group of a tile is then four loads, six integer operations and eight
 // dot products a row, against 32 shifts and lookups and 32 float multiply-adds a row (Q4_K's
 // groups of Qwen 1.5B's MLP shape, 2 threads, Zen 5, in-process A/B from memory: 0.69-0.83x the
-// time of the byte pairs' quads at 1-4 rows). Quants in byte pairs (Q4_0, Q4_1, Q4_K on AVX2) go
-// through `int8_pair_rows`, Q6_K's through `int8_q6_rows`, Q8_0's through `int8_q8_rows`.
+// time of the byte pairs' quads at 1-4 rows). On AVX2 the int8 layout holds them in words too
+// (`INT8_WORDS4`); weights in byte pairs take the float decoding rows. Q6_K's go through
+// `int8_q6_rows`, Q8_0's through `int8_q8_rows`.
 // The integer sums are those of `int8_rows` and the floats after them the same operations in the
 // same order: the same bits as the int8 prefill rows, in any batch, on AVX-512 and AVX2. Q5_0 and
 // the portable build take the float decoding rows.
 template <class F>
-constexpr bool INT8_WORDS = WORDS4 && F::bits == 4 && F::uniform;  // Q4_0, Q4_1, Q4_K
+constexpr bool INT8_WORDS = F::words;  // Q4_0, Q4_1, Q4_K in words
 
 #if defined(__AVX512F__)
 constexpr int IDR = 8;  // int8 decoding rows at a time (their sums in registers: 32 zmm, 16 ymm)
@@ -1235,37 +1277,6 @@ constexpr int IDR = 4;
 #endif
 
 #if defined(__AVX2__)
-// Byte pairs (`put4<false>`): step j's byte of output c holds weights j and j + 16 of its group. A
-// step pair's 32 bytes (steps 2p and 2p + 1, one per 128-bit half) split into low and high
-// nibbles and interleaved per half put output c's (q[2p], q[2p + 16]) at int16 c of the low half
-// and (q[2p + 1], q[2p + 17]) of the high (outputs 0-7, and 8-15 in a second register): one
-// `vpmaddubsw` each with x's matching pairs (`pair_x`) adds four products of each output. Summed in
-// int16 over a group's 8 step pairs (8 x 2 x 15 x 127 < 2^15), widened once per group: two loads,
-// five integer operations and four `vpmaddubsw` a step pair and row, against 8 float multiply-adds
-// a row and ~10 operations decoding the floats.
-// int8 x (M, K) in `quantize_rows`'s order -> per group of 32 and step pair p (0..7) 32 bytes:
-// (x[2p], x[2p + 16]) in each int16 of the low 16, (x[2p + 1], x[2p + 17]) of the high: (M, 8 K).
-void pair_x(const int8_t* q, int64_t M, int64_t K, int8_t* out) {
-    for (int64_t i = 0; i < M * (K / 32); ++i, q += 32)
-        for (int p = 0; p < 8; ++p, out += 32)
-            for (int c = 0; c < 8; ++c) {
-                out[2 * c] = q[2 * p], out[2 * c + 1] = q[2 * p + 16];
-                out[16 + 2 * c] = q[2 * p + 1], out[17 + 2 * c] = q[2 * p + 17];
-            }
-}
-
-// With VNNI, one `vpdpbusd` adds four products of an output at once: a step pair's bytes are put
-// in quads (q[2p], q[2p + 16], q[2p + 1], q[2p + 17]) per output (outputs 0-3 and 8-11 in one
-// register, 4-7 and 12-15 in another), multiplied by x's quad (`quad_x`) broadcast: two dot
-// products a step pair and row, summed in int32, against four operations in int16.
-// int8 x (M, K) in `quantize_rows`'s order -> per group and step pair p: x[2p], x[2p + 16],
-// x[2p + 1], x[2p + 17] (M, K).
-void quad_x(const int8_t* q, int64_t M, int64_t K, int8_t* out) {
-    for (int64_t i = 0; i < M * (K / 32); ++i, q += 32)
-        for (int p = 0; p < 8; ++p, out += 4)
-            out[0] = q[2 * p], out[1] = q[2 * p + 16], out[2] = q[2 * p + 1], out[3] = q[2 * p + 17];
-}
-
 // 16 int32 lanes from two registers of 8 (outputs 0-7, 8-15).
 #if defined(__AVX512F__)
 inline VI int32_lanes(__m256i lo, __m256i hi) { return {_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)}; }
@@ -1283,58 +1294,6 @@ inline void tile_groups(const uint8_t* unit, int64_t K, int first, Fn&& f) {
         const uint8_t* block = unit + (2 * b + first) * F::packed;
         for (int i = 0; i < groups; ++i) f(F::group(block, i), b * groups + i);
     }
-}
-
-// R rows of int8 x (xp: `quad_x` with VNNI, else `pair_x`; scales xd (R, K/32); float half sums xs
-// (R, K/16)) over tile `first` of a unit of F's byte pairs, group by group (`F::group`).
-template <class F, int R>
-__attribute__((noinline)) void int8_pair_rows(const int8_t* xp, const float* xd, const float* xs, int64_t K,
-                                              const uint8_t* unit, int first, float* y, int64_t ldy, int valid) {
-    Sums<R, 1> out;
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    tile_groups<F>(unit, K, first, [&](const typename F::Group& grp, int64_t g) {
-        // VNNI: int32, outputs 0-3 and 8-11, 4-7 and 12-15; else int16: outputs 0-7 and 8-15,
-        // even steps in the low half, odd in the high
-        __m256i acc[R][2];
-        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int p = 0; p < 8; ++p) {
-            __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp.q + 32 * p));
-#if VNNI256
-            v = _mm256_permute4x64_epi64(v, 0xD8);  // per half: 8 outputs' bytes of step 2p, then 2p + 1
-            const __m256i l = _mm256_and_si256(v, low), h = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            const __m256i even = _mm256_unpacklo_epi8(l, h), odd = _mm256_unpackhi_epi8(l, h);
-            const __m256i u[2] = {_mm256_unpacklo_epi16(even, odd), _mm256_unpackhi_epi16(even, odd)};
-            for (int r = 0; r < R; ++r) {
-                int32_t quad;
-                std::memcpy(&quad, xp + r * K + 32 * g + 4 * p, 4);
-                const __m256i x = _mm256_set1_epi32(quad);
-                for (int c = 0; c < 2; ++c) acc[r][c] = dpbusd256(acc[r][c], u[c], x);
-            }
-#else
-            const __m256i l = _mm256_and_si256(v, low), h = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            const __m256i u[2] = {_mm256_unpacklo_epi8(l, h), _mm256_unpackhi_epi8(l, h)};
-            for (int r = 0; r < R; ++r) {
-                const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + r * 8 * K + 256 * g + 32 * p));
-                for (int c = 0; c < 2; ++c) acc[r][c] = _mm256_add_epi16(acc[r][c], _mm256_maddubs_epi16(u[c], x));
-            }
-#endif
-        }
-        for (int r = 0; r < R; ++r) {
-            __m256i half[2];
-#if VNNI256
-            half[0] = _mm256_permute2x128_si256(acc[r][0], acc[r][1], 0x20);
-            half[1] = _mm256_permute2x128_si256(acc[r][0], acc[r][1], 0x31);
-#else
-            for (int c = 0; c < 2; ++c)
-                half[c] = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[r][c])),
-                                           _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[r][c], 1)));
-#endif
-            const VI sum = int32_lanes(half[0], half[1]);
-            out.set(r, 0, apply_int8<true>(grp, sum, sum, xd, xs, K, r, g, out.get(r, 0)));
-        }
-    });
-    for (int r = 0; r < R; ++r) out.store(r, y + r * ldy + first * TILE, valid - first * TILE);
 }
 
 // Q6_K (`Q6_K_`: a step pair's four 6-bit quants of an output in its three bytes) puts each
@@ -1579,60 +1538,88 @@ __attribute__((noinline)) void int8_q8_rows(const int8_t* x8, const float* xd, c
 }
 #endif
 
+#if defined(__AVX2__)
+// A run's 64 bytes of words (output c's at 4c) as its low nibbles (steps 8i + 0, 2, 4, 6 of each
+// output, a byte apiece) and its high ones (8i + 1, 3, 5, 7): two masks and a shift.
+inline W8 word_nibbles(const uint8_t* p, int odd) {
 #if defined(__AVX512F__)
+    const __m512i low = _mm512_set1_epi32(0x0F0F0F0F), v = _mm512_loadu_si512(p);
+    return {_mm512_and_si512(odd ? _mm512_srli_epi32(v, 4) : v, low)};
+#else
+    const __m256i low = _mm256_set1_epi32(0x0F0F0F0F);
+    const W8 v = load_w8(p);
+    if (odd) return {_mm256_and_si256(_mm256_srli_epi32(v.lo, 4), low), _mm256_and_si256(_mm256_srli_epi32(v.hi, 4), low)};
+    return {_mm256_and_si256(v.lo, low), _mm256_and_si256(v.hi, low)};
+#endif
+}
+
+// Tiles of a unit a pass of `int8_word_rows`: both on AVX-512 (a zmm of sums each), one on AVX2
+// (two ymm each: both tiles' sums of 4 rows would take all 16 registers).
+#if defined(__AVX512F__)
+constexpr int WORD_TILES = 2;
+#else
+constexpr int WORD_TILES = 1;
+#endif
+
 // R rows of int8 x (xq: `quantize_rows<true>`; scales xd (R, K/32); float half sums xs (R, K/16)) over
-// both tiles of a unit of F's words.
+// WORD_TILES tiles from `first` of a unit of F's words.
 // S: integer sums a row and tile keeps (added at the end of a group), so that one row's dot
 // products are not one chain waiting on each other's latency (a row alone took longer than two).
-template <class F, int R, int S = (R == 1 ? 4 : R == 2 ? 2 : 1)>
+// Without VNNI a group's eight pair sums an output (4 runs, even and odd: 8 x 2 x 15 x 127 < 2^15)
+// are added in int16 and widened once, as `group_dots` does.
+template <class F, int R, int S = (!VNNI ? 1 : R == 1 ? 4 : R == 2 ? 2 : 1)>
 __attribute__((noinline)) void int8_word_rows(const int8_t* xq, const float* xd, const float* xs, int64_t K,
-                                              const uint8_t* unit, float* y, int64_t ldy, int valid) {
-    constexpr int groups = F::weights / 32;
-    const __m512i low = _mm512_set1_epi32(0x0F0F0F0F);
-    V out[R][2];
-    for (int r = 0; r < R; ++r) out[r][0] = out[r][1] = zero();
+                                              const uint8_t* unit, int first, float* y, int64_t ldy, int valid) {
+    constexpr int groups = F::weights / 32, NT = WORD_TILES;
+    V out[R][NT];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NT; ++c) out[r][c] = zero();
     for (int64_t b = 0; b < K / F::weights; ++b) {
         const uint8_t* block = unit + 2 * b * F::packed;
         prefetch_ahead<F>(block, 2 * F::packed);
         for (int i = 0; i < groups; ++i) {
             const int64_t g = b * groups + i;
-            const uint8_t* const q[2] = {F::group(block, i).q, F::group(block + F::packed, i).q};  // its words
-            VI acc[R][2][S];
+            const uint8_t* q[NT];  // its words
+            for (int c = 0; c < NT; ++c) q[c] = F::group(block + (first + c) * F::packed, i).q;
+            VI acc[R][NT][S];
+            P p16[R][NT];  // without VNNI
             for (int r = 0; r < R; ++r)
-                for (int c = 0; c < 2; ++c)
-                    for (int s = 0; s < S; ++s) acc[r][c][s] = zero_i();
-#pragma GCC unroll 4  // constant runs: each sum a register of its own
-            for (int run = 0; run < 4; ++run) {
-                W8 even[2], odd[2];
-                for (int c = 0; c < 2; ++c) {
-                    const __m512i words = _mm512_loadu_si512(q[c] + 64 * run);
-                    even[c] = {_mm512_and_si512(words, low)};
-                    odd[c] = {_mm512_and_si512(_mm512_srli_epi32(words, 4), low)};
-                }
+                for (int c = 0; c < NT; ++c)
+                    for (int s = 0; s < S; ++s) acc[r][c][s] = zero_i(), p16[r][c] = zero_p();
+#pragma GCC unroll 8  // constant steps: each sum a register of its own
+            for (int step = 0; step < 8; ++step) {  // a run's even steps, then its odd ones
+                const int run = step / 2, odd = step % 2, s = step % S;
+                W8 w[NT];
+                for (int c = 0; c < NT; ++c) w[c] = word_nibbles(q[c] + 64 * run, odd);
                 for (int r = 0; r < R; ++r) {
-                    const int8_t* x8 = xq + r * K + 32 * g + 8 * run;
-                    const X4 xe = bcast4(x8), xo = bcast4(x8 + 4);
-                    const int e = (2 * run) % S, o = (2 * run + 1) % S;
-                    for (int c = 0; c < 2; ++c) {
-                        acc[r][c][e] = dot4(acc[r][c][e], even[c], xe);
-                        acc[r][c][o] = dot4(acc[r][c][o], odd[c], xo);
+                    const X4 x = bcast4(xq + r * K + 32 * g + 8 * run + 4 * odd);
+                    for (int c = 0; c < NT; ++c) {
+                        if constexpr (VNNI) {
+                            acc[r][c][s] = dot4(acc[r][c][s], w[c], x);
+                        } else {
+                            p16[r][c] = add16(p16[r][c], pairs(w[c], x));
+                        }
                     }
                 }
             }
-            for (int c = 0; c < 2; ++c) {
-                const typename F::Group grp = F::group(block + c * F::packed, i);
+            for (int c = 0; c < NT; ++c) {
+                const typename F::Group grp = F::group(block + (first + c) * F::packed, i);
                 for (int r = 0; r < R; ++r) {  // `apply_int8<true>`, written out: through it one row was ~4% slower
                     const V d = set1(xd[r * (K / 32) + g]);
                     const float x_lo = xs[r * (K / 16) + 2 * g], x_hi = xs[r * (K / 16) + 2 * g + 1];
                     VI sum = acc[r][c][0];
-                    for (int s = 1; s < S; ++s) sum = add_i(sum, acc[r][c][s]);
+                    if constexpr (VNNI) {
+                        for (int s = 1; s < S; ++s) sum = add_i(sum, acc[r][c][s]);
+                    } else {
+                        sum = widen_add(sum, p16[r][c]);
+                    }
                     out[r][c] = fma(grp.a_lo, mul(to_float(sum), d), out[r][c]);
                     out[r][c] = fma(grp.b_lo, set1(x_lo + x_hi), out[r][c]);
                 }
             }
         }
     }
-    for (int r = 0; r < R; ++r) lanes_store<2>(out[r], y + r * ldy, valid);
+    for (int r = 0; r < R; ++r) lanes_store<NT>(out[r], y + r * ldy + first * TILE, valid - first * TILE);
 }
 
 #endif
@@ -1645,9 +1632,9 @@ constexpr bool Q6 = F::bits == 6 && !F::uniform;
 template <class F>
 constexpr bool Q8 = F::bits == 8;
 template <class F>
-constexpr bool INT8_DECODES = (F::bits == 4 && F::uniform) || Q6<F> || Q8<F>;  // Q4_0, Q4_1, Q4_K; Q6_K; Q8_0
+constexpr bool INT8_DECODES = INT8_WORDS<F> || Q6<F> || Q8<F>;  // Q4_0, Q4_1, Q4_K in words; Q6_K; Q8_0
 template <class F>
-constexpr int64_t X8 = Q6<F> ? (Q6_PAIRS ? 1 : 2) : Q8<F> ? X8Q8 : INT8_WORDS<F> || VNNI ? 1 : 8;
+constexpr int64_t X8 = Q6<F> ? (Q6_PAIRS ? 1 : 2) : Q8<F> ? X8Q8 : 1;
 template <class F>
 void int8_x(const float* x, int64_t M, int64_t K, int8_t* xq, float* d) {
     if constexpr (INT8_WORDS<F>) {
@@ -1655,18 +1642,16 @@ void int8_x(const float* x, int64_t M, int64_t K, int8_t* xq, float* d) {
     } else {
         std::vector<int8_t> q(size_t(M * K));
         quantize_rows(x, M, K, q.data(), d);
-        (Q6<F> ? q6_x : Q8<F> ? q8_x : VNNI ? quad_x : pair_x)(q.data(), M, K, xq);
+        (Q6<F> ? q6_x : q8_x)(q.data(), M, K, xq);
     }
 }
 template <class F, int R>
 void int8_unit_rows(const int8_t* xq, const float* xd, const float* xs, int64_t K, const uint8_t* unit, float* y,
                     int64_t ldy, int valid) {
-#if defined(__AVX512F__)
     if constexpr (INT8_WORDS<F>) {
-        int8_word_rows<F, R>(xq, xd, xs, K, unit, y, ldy, valid);
+        for (int first = 0; first < 2; first += WORD_TILES) int8_word_rows<F, R>(xq, xd, xs, K, unit, first, y, ldy, valid);
         return;
     }
-#endif
 #if VBMI_QUADS
     if constexpr (Q8<F> && R >= 3) {
         int8_q8_unsigned_rows<F, R>(xq, xd, xs, K, unit, y, ldy, valid);
@@ -1678,8 +1663,6 @@ void int8_unit_rows(const int8_t* xq, const float* xd, const float* xs, int64_t 
             int8_q6_rows<F, R>(xq, xd, xs, K, unit, first, y, ldy, valid);
         } else if constexpr (Q8<F>) {
             int8_q8_rows<F, R>(xq, xd, xs, K, unit, first, y, ldy, valid);
-        } else if constexpr (!INT8_WORDS<F>) {  // AVX2's 4-bit formats (AVX-512's are in words)
-            int8_pair_rows<F, R>(xq, xd, xs, K, unit, first, y, ldy, valid);
         }
     }
 }
@@ -1862,24 +1845,65 @@ constexpr Layout layout() {
             int8_decoding_product<F>, rows<F>};
 }
 
+// A format's ggml type id, with WORDS where its 4-bit quants are in words (the others ignore it).
+constexpr int WORDS = 256;
+
 bool layout_of(int format, Layout* out) {
-    switch (format) {
-        case Q4_0: *out = layout<Q4_0_>(); return true;
-        case Q4_1: *out = layout<Q4_1_>(); return true;
+    const bool words = format & WORDS;
+    switch (format & ~WORDS) {
+        case Q4_0: *out = words ? layout<Q4_0_<true>>() : layout<Q4_0_<false>>(); return true;
+        case Q4_1: *out = words ? layout<Q4_1_<true>>() : layout<Q4_1_<false>>(); return true;
         case Q5_0: *out = layout<Q5_0_>(); return true;
         case Q8_0: *out = layout<Q8_0_>(); return true;
-        case Q4_K: *out = layout<Q4_K_>(); return true;
+        case Q4_K: *out = words ? layout<Q4_K_<true>>() : layout<Q4_K_<false>>(); return true;
         case Q6_K: *out = layout<Q6_K_>(); return true;
         default: return false;
     }
+}
+
+// A 4-bit format's units from one layout of its quants to the other (scales unchanged).
+template <class From, class To>
+void relayout(const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
+    constexpr int groups = From::weights / 32;
+    const int64_t tiles = (N + UNIT - 1) / UNIT * 2 * (K / From::weights);
+    std::memcpy(dst, src, size_t(tiles * From::packed));
+    for (int64_t t = 0; t < tiles; ++t)
+        for (int i = 0; i < groups; ++i) {
+            const uint8_t* from = From::group(src + t * From::packed, i).q;
+            uint8_t* to = dst + (from - src);
+            if constexpr (To::words) std::memset(to, 0, 256);
+            for (int c = 0; c < TILE; ++c)
+                for (int j = 0; j < 16; ++j) {
+                    int lo, hi;
+                    get4<From::words>(from, c, j, lo, hi);
+                    put4<To::words>(to, c, j, lo, hi);
+                }
+        }
 }
 
 }  // namespace
 
 extern "C" {
 
-// This build's layout: weights packed by one build run on the builds of the same name only.
+// This build's layouts, of float rows and of int8 rows: weights packed by one build run on the
+// builds of the same name only; the 4-bit quants in words where the name says so.
 const char* specdecode_qlayout() { return WORDS4 ? "tiles32-words4" : "tiles32"; }
+const char* specdecode_qlayout_int8() { return INT8_WORDS4 ? "tiles32-words4" : "tiles32"; }
+
+// A 4-bit format's packed weight (N rows of K) in the other layout of its quants: `format` with
+// WORDS or not is what dst is to be. 0 when done; 1: not a 4-bit format; 2: K not whole blocks.
+int specdecode_qrelayout(int format, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
+    const bool words = format & WORDS;
+    const int base = format & ~WORDS;
+    const int weights = base == Q4_K ? 256 : 32;
+    if (K % weights != 0) return 2;
+    switch (base) {
+        case Q4_0: words ? relayout<Q4_0_<false>, Q4_0_<true>>(src, N, K, dst) : relayout<Q4_0_<true>, Q4_0_<false>>(src, N, K, dst); return 0;
+        case Q4_1: words ? relayout<Q4_1_<false>, Q4_1_<true>>(src, N, K, dst) : relayout<Q4_1_<true>, Q4_1_<false>>(src, N, K, dst); return 0;
+        case Q4_K: words ? relayout<Q4_K_<false>, Q4_K_<true>>(src, N, K, dst) : relayout<Q4_K_<true>, Q4_K_<false>>(src, N, K, dst); return 0;
+        default: return 1;
+    }
+}
 
 // Bytes the tiles of N rows of K weights take; -1: a format this file does not read; -2: K not a
 // whole number of blocks.

@@ -74,8 +74,8 @@ class Dense(nn.Module):
         if self.quantized is not None:
             quant = kernels.quant
             if quant is not None and all(p.format in quant.formats for p in self.quantized.parts):
-                if self.quantized.layout == GGUF_LAYOUT:
-                    self.quantized = quant.pack(self.quantized)
+                if self.quantized.layout != quant.layout and quant.repacks(self.quantized.layout):
+                    self.quantized = quant.pack(self.quantized)  # from the GGUF's layout or a sibling's
                 if self.quantized.layout == quant.layout:  # packed by a build of this layout
                     self.kernel = quant
                     return
