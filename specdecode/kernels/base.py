@@ -206,10 +206,11 @@ QUANT_FORMATS = {  # name: (ggml type id, weights per block, bytes per block)
 
 
 GGUF_LAYOUT = "gguf"  # blocks as a GGUF file stores them: one row of blocks per output
-# A CPU layout whose name ends so holds the 4-bit quants of WORD_FORMATS in words (quant_gemm.cpp's
-# `put4`), and its kernel calls name those formats with WORDS added to the ggml type id.
-WORDS_SUFFIX, WORDS = "-words4", 256
-WORD_FORMATS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+# A CPU layout whose name has one of these parts holds the quants of its formats in words
+# (quant_gemm.cpp's `put4`, `put6`), and its kernel calls name them with WORDS added to the ggml
+# type id.
+WORDS = 256
+WORD_LAYOUTS = {"-words4": frozenset({"Q4_0", "Q4_1", "Q4_K"}), "-words6": frozenset({"Q6_K"})}
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,7 @@ class QuantPart:
 def kernel_format(part: QuantPart) -> int:
     """The format id a kernel call takes for `part`: its ggml type id, plus WORDS where its
     layout holds its 4-bit quants in words."""
-    words = part.format in WORD_FORMATS and part.layout.endswith(WORDS_SUFFIX)
+    words = any(part.format in formats and name in part.layout for name, formats in WORD_LAYOUTS.items())
     return QUANT_FORMATS[part.format][0] | (WORDS if words else 0)
 
 

@@ -373,11 +373,17 @@ constexpr bool WORDS4 = true;
 #else
 constexpr bool WORDS4 = false;
 #endif
-// The int8 layout's: words wherever there are int8 decoding rows to read them.
+// The int8 layout's: words wherever there are int8 decoding rows to read them; on AVX2 Q6_K's too
+// (`Q6_K_`), where AVX-512 reads its triples with VBMI's byte permutes instead.
 #if defined(__AVX2__)
 constexpr bool INT8_WORDS4 = true;
 #else
 constexpr bool INT8_WORDS4 = WORDS4;
+#endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr bool INT8_WORDS6 = true;
+#else
+constexpr bool INT8_WORDS6 = false;
 #endif
 
 template <bool words>
@@ -439,6 +445,9 @@ template <bool W = WORDS4>
 struct Q4_0_ : Uniform {  // d (16 x fp16), then the 4-bit quants (`put4`)
     static constexpr int weights = 32, bytes = 18, packed = TILE * bytes, bits = 4;
     static constexpr bool words = W;
+    static constexpr int quant_bytes = 256;  // a group's quants: `get`, `put` read and write a step's
+    static void get(const uint8_t* q, int c, int j, int& lo, int& hi) { get4<W>(q, c, j, lo, hi); }
+    static void put(uint8_t* q, int c, int j, int lo, int hi) { put4<W>(q, c, j, lo, hi); }
     static void pack(const uint8_t* const* src, uint8_t* dst) {
         if constexpr (W) std::memset(dst + 32, 0, 256);  // words are put a nibble at a time
         for (int c = 0; c < TILE; ++c) {
@@ -457,6 +466,9 @@ template <bool W = WORDS4>
 struct Q4_1_ : Uniform {  // d, m (16 x fp16 each), the 4-bit quants
     static constexpr int weights = 32, bytes = 20, packed = TILE * bytes, bits = 4;
     static constexpr bool words = W;
+    static constexpr int quant_bytes = 256;  // a group's quants: `get`, `put` read and write a step's
+    static void get(const uint8_t* q, int c, int j, int& lo, int& hi) { get4<W>(q, c, j, lo, hi); }
+    static void put(uint8_t* q, int c, int j, int lo, int hi) { put4<W>(q, c, j, lo, hi); }
     static void pack(const uint8_t* const* src, uint8_t* dst) {
         if constexpr (W) std::memset(dst + 64, 0, 256);
         for (int c = 0; c < TILE; ++c) {
@@ -535,6 +547,9 @@ template <bool W = WORDS4>
 struct Q4_K_ : Uniform {
     static constexpr int weights = 256, bytes = 144, group_bytes = 32 + 256, packed = 64 + 8 * group_bytes, bits = 4;
     static constexpr bool words = W;
+    static constexpr int quant_bytes = 256;  // a group's quants: `get`, `put` read and write a step's
+    static void get(const uint8_t* q, int c, int j, int& lo, int& hi) { get4<W>(q, c, j, lo, hi); }
+    static void put(uint8_t* q, int c, int j, int lo, int hi) { put4<W>(q, c, j, lo, hi); }
     static void pack(const uint8_t* const* src, uint8_t* dst) {
         if constexpr (W)
             for (int g = 0; g < 8; ++g) std::memset(dst + 64 + g * group_bytes + 32, 0, 256);
@@ -568,14 +583,56 @@ struct Q4_K_ : Uniform {
 };
 
 // d (16 x fp16); per group of 32: int8 scales of its two halves (16 + 16 bytes: what the AVX-512
-// build reads before a group's first step pair), then 8 step pairs of 48 bytes: output c's three
-// bytes at 3c hold its quants of steps 2i and 2i + 1, each lo then hi, 6 bits apiece from bit 0. (Kept as GGUF splits them, 4 low bits and 2 high, a step
-// took 13 integer operations to put together, more than its multiply-adds at 4 rows.)
+// build reads before a group's first step pair), then its 6-bit quants (384 bytes) one of two
+// ways. Triples (the float rows'): 8 step pairs of 48 bytes, output c's three bytes at 3c holding
+// its quants of steps 2i and 2i + 1, each lo then hi, 6 bits apiece from bit 0. (Kept as GGUF
+// splits them, 4 low bits and 2 high, a step took 13 integer operations to put together, more than
+// its multiply-adds at 4 rows.) Words (`W`: AVX2's int8 layout): the low 4 bits as Q4's words
+// (`put4<true>`, 256 bytes), then the top 2 bits in two runs of 64 bytes (lo half, hi half),
+// output c's word at 4c: its byte k holds those of steps 2k, 2k + 1, 8 + 2k, 8 + 2k + 1 of the
+// half at bits 0, 2, 4, 6. An int8 row then takes a run's quants as four bytes per output
+// (a mask, or a shift and a mask, of the nibbles, or-ed with a shift and a mask of the top bits),
+// four quants of one half a lane: one dot product each, no lanes of zeros (`int8_q6_word_rows`).
+// `put6` and `get6` write and read output c's step j.
+template <bool W>
+inline void put6(uint8_t* q, int c, int j, int lo, int hi) {
+    if constexpr (W) {
+        put4<true>(q, c, j, lo, hi);
+        const int bit = 4 * (j / 8) + 2 * (j % 2), at = 4 * c + (j % 8) / 2;
+        q[256 + at] |= uint8_t((lo >> 4 & 3) << bit);
+        q[256 + 64 + at] |= uint8_t((hi >> 4 & 3) << bit);
+    } else {
+        uint8_t* o = q + 48 * (j / 2) + 3 * c;
+        uint32_t v = uint32_t(o[0] | o[1] << 8 | o[2] << 16);
+        v |= uint32_t((lo & 63) | (hi & 63) << 6) << (12 * (j % 2));
+        for (int k = 0; k < 3; ++k) o[k] = uint8_t(v >> (8 * k));
+    }
+}
+
+template <bool W>
+inline void get6(const uint8_t* q, int c, int j, int& lo, int& hi) {
+    if constexpr (W) {
+        get4<true>(q, c, j, lo, hi);
+        const int bit = 4 * (j / 8) + 2 * (j % 2), at = 4 * c + (j % 8) / 2;
+        lo |= (q[256 + at] >> bit & 3) << 4;
+        hi |= (q[256 + 64 + at] >> bit & 3) << 4;
+    } else {
+        const uint8_t* o = q + 48 * (j / 2) + 3 * c;
+        const uint32_t v = uint32_t(o[0] | o[1] << 8 | o[2] << 16) >> (12 * (j % 2));
+        lo = int(v & 63), hi = int(v >> 6 & 63);
+    }
+}
+
+template <bool W = false>
 struct Q6_K_ {
     static constexpr int weights = 256, bytes = 210, group_bytes = 32 + 384, packed = 32 + 8 * group_bytes, bits = 6;
-    static constexpr bool uniform = false, words = false;  // each half of a group has its own scale
+    static constexpr bool uniform = false, words = W;  // each half of a group has its own scale
+    static constexpr int quant_bytes = 384;  // a group's quants: `get`, `put` read and write a step's
+    static void get(const uint8_t* q, int c, int j, int& lo, int& hi) { get6<W>(q, c, j, lo, hi); }
+    static void put(uint8_t* q, int c, int j, int lo, int hi) { put6<W>(q, c, j, lo, hi); }
     using Group = lanes_group;
     static void pack(const uint8_t* const* src, uint8_t* dst) {
+        for (int g = 0; g < 8; ++g) std::memset(dst + 32 + g * group_bytes + 32, 0, 384);  // put a quant at a time
         for (int c = 0; c < TILE; ++c) {
             const uint8_t* b = src[c];
             std::memcpy(dst + 2 * c, b + 208, 2);
@@ -594,10 +651,7 @@ struct Q6_K_ {
                 const int* w = q + 32 * g;
                 o[c] = b[192 + 2 * g];
                 o[16 + c] = b[192 + 2 * g + 1];
-                for (int i = 0; i < 8; ++i) {
-                    const uint32_t v = uint32_t(w[2 * i] | w[2 * i + 16] << 6 | w[2 * i + 1] << 12 | w[2 * i + 17] << 18);
-                    for (int k = 0; k < 3; ++k) o[32 + 48 * i + 3 * c + k] = uint8_t(v >> (8 * k));
-                }
+                for (int j = 0; j < 16; ++j) put(o + 32, c, j, w[j], w[j + 16]);
             }
         }
     }
@@ -610,6 +664,16 @@ struct Q6_K_ {
     }
     // (the loops run j as a constant: a pair's bytes are loaded and spread once for both steps)
     static void quants(const Group& g, int j, V& lo, V& hi) {
+        if constexpr (W) {
+            VI l = u32_lanes(g.q + 64 * (j / 8)), h = u32_lanes(g.q + 128 + 64 * (j / 8));
+            VI tl = u32_lanes(g.q + 256), th = u32_lanes(g.q + 320);
+            const int bit = 4 * (j / 8) + 2 * (j % 2);
+            if (j % 8) l = shr(l, 4 * (j % 8)), h = shr(h, 4 * (j % 8));
+            if (bit + 8 * ((j % 8) / 2)) tl = shr(tl, bit + 8 * ((j % 8) / 2)), th = shr(th, bit + 8 * ((j % 8) / 2));
+            lo = to_float(or_(and_(l, 15), shl(and_(tl, 3), 4)));
+            hi = to_float(or_(and_(h, 15), shl(and_(th, 3), 4)));
+            return;
+        }
         const VI v = u24_lanes(g.q + 48 * (j / 2));
         if (j % 2 == 0) {
             lo = to_float(and_(v, 63));
@@ -1268,7 +1332,7 @@ void int8_prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w
 // same order: the same bits as the int8 prefill rows, in any batch, on AVX-512 and AVX2. Q5_0 and
 // the portable build take the float decoding rows.
 template <class F>
-constexpr bool INT8_WORDS = F::words;  // Q4_0, Q4_1, Q4_K in words
+constexpr bool INT8_WORDS = F::words;  // Q4_0, Q4_1, Q4_K in words; AVX2's int8 layout, Q6_K too
 
 #if defined(__AVX512F__)
 constexpr int IDR = 8;  // int8 decoding rows at a time (their sums in registers: 32 zmm, 16 ymm)
@@ -1622,6 +1686,52 @@ __attribute__((noinline)) void int8_word_rows(const int8_t* xq, const float* xd,
     for (int r = 0; r < R; ++r) lanes_store<NT>(out[r], y + r * ldy + first * TILE, valid - first * TILE);
 }
 
+#if !defined(__AVX512F__)
+// R rows of int8 x (xq: `quantize_rows<true>`; scales xd (R, K/32); float half sums xs (R, K/16))
+// over tile `first` of a unit of Q6_K in words (AVX2's int8 layout): a run's even steps are the
+// nibbles' low bits or-ed with their top bits moved to bits 4-5 of the same bytes, its odd steps
+// likewise from the nibbles' high bits: four quants of an output and half a lane, one dot product
+// with the row's matching x each. Runs 0-1 are the lo half, 2-3 the hi half, each its own sums.
+// Without VNNI, a run's two pair sums an output (2 x 2 x 63 x 127 < 2^15) are added in int16, then
+// widened.
+template <class F, int R>
+__attribute__((noinline)) void int8_q6_word_rows(const int8_t* xq, const float* xd, const float* xs, int64_t K,
+                                                 const uint8_t* unit, int first, float* y, int64_t ldy, int valid) {
+    const __m256i low = _mm256_set1_epi32(0x0F0F0F0F), top = _mm256_set1_epi32(0x30303030);
+    Sums<R, 1> out;
+    tile_groups<F>(unit, K, first, [&](const typename F::Group& grp, int64_t g) {
+        VI half[2][R];
+        for (int h = 0; h < 2; ++h)
+            for (int r = 0; r < R; ++r) half[h][r] = zero_i();
+#pragma GCC unroll 4
+        for (int run = 0; run < 4; ++run) {
+            const int h = run / 2;
+            const W8 n = load_w8(grp.q + 64 * run), t = load_w8(grp.q + 256 + 64 * h);
+            // top bits of the even steps at 0-1 (run 2h) or 4-5 (2h + 1) of each byte, of the odd at 2-3 or 6-7
+            const auto even = [&](__m256i nib, __m256i hi2) {
+                const __m256i up = run % 2 ? hi2 : _mm256_slli_epi32(hi2, 4);
+                return _mm256_or_si256(_mm256_and_si256(nib, low), _mm256_and_si256(up, top));
+            };
+            const auto odd = [&](__m256i nib, __m256i hi2) {
+                const __m256i up = run % 2 ? _mm256_srli_epi32(hi2, 2) : _mm256_slli_epi32(hi2, 2);
+                return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(nib, 4), low), _mm256_and_si256(up, top));
+            };
+            const W8 e = {even(n.lo, t.lo), even(n.hi, t.hi)}, o = {odd(n.lo, t.lo), odd(n.hi, t.hi)};
+            for (int r = 0; r < R; ++r) {
+                const int8_t* x8 = xq + r * K + 32 * g + 8 * run;
+                if constexpr (VNNI) {
+                    half[h][r] = dot4(dot4(half[h][r], e, bcast4(x8)), o, bcast4(x8 + 4));
+                } else {
+                    half[h][r] = widen_add(half[h][r], add16(pairs(e, bcast4(x8)), pairs(o, bcast4(x8 + 4))));
+                }
+            }
+        }
+        for (int r = 0; r < R; ++r) out.set(r, 0, apply_int8<false>(grp, half[0][r], half[1][r], xd, xs, K, r, g, out.get(r, 0)));
+    });
+    for (int r = 0; r < R; ++r) out.store(r, y + r * ldy + first * TILE, valid - first * TILE);
+}
+#endif
+
 #endif
 
 // The build's int8 decoding rows (`int8_decoding_product`): which formats take them, x's int8
@@ -1632,9 +1742,9 @@ constexpr bool Q6 = F::bits == 6 && !F::uniform;
 template <class F>
 constexpr bool Q8 = F::bits == 8;
 template <class F>
-constexpr bool INT8_DECODES = INT8_WORDS<F> || Q6<F> || Q8<F>;  // Q4_0, Q4_1, Q4_K in words; Q6_K; Q8_0
+constexpr bool INT8_DECODES = (INT8_WORDS<F> && (F::bits == 4 || INT8_WORDS6)) || (Q6<F> && !F::words) || Q8<F>;
 template <class F>
-constexpr int64_t X8 = Q6<F> ? (Q6_PAIRS ? 1 : 2) : Q8<F> ? X8Q8 : 1;
+constexpr int64_t X8 = INT8_WORDS<F> ? 1 : Q6<F> ? (Q6_PAIRS ? 1 : 2) : Q8<F> ? X8Q8 : 1;
 template <class F>
 void int8_x(const float* x, int64_t M, int64_t K, int8_t* xq, float* d) {
     if constexpr (INT8_WORDS<F>) {
@@ -1648,10 +1758,16 @@ void int8_x(const float* x, int64_t M, int64_t K, int8_t* xq, float* d) {
 template <class F, int R>
 void int8_unit_rows(const int8_t* xq, const float* xd, const float* xs, int64_t K, const uint8_t* unit, float* y,
                     int64_t ldy, int valid) {
-    if constexpr (INT8_WORDS<F>) {
+    if constexpr (INT8_WORDS<F> && F::bits == 4) {
         for (int first = 0; first < 2; first += WORD_TILES) int8_word_rows<F, R>(xq, xd, xs, K, unit, first, y, ldy, valid);
         return;
     }
+#if !defined(__AVX512F__)  // (INT8_WORDS6)
+    if constexpr (INT8_WORDS<F> && Q6<F>) {
+        for (int first = 0; first < 2; ++first) int8_q6_word_rows<F, R>(xq, xd, xs, K, unit, first, y, ldy, valid);
+        return;
+    }
+#endif
 #if VBMI_QUADS
     if constexpr (Q8<F> && R >= 3) {
         int8_q8_unsigned_rows<F, R>(xq, xd, xs, K, unit, y, ldy, valid);
@@ -1856,12 +1972,12 @@ bool layout_of(int format, Layout* out) {
         case Q5_0: *out = layout<Q5_0_>(); return true;
         case Q8_0: *out = layout<Q8_0_>(); return true;
         case Q4_K: *out = words ? layout<Q4_K_<true>>() : layout<Q4_K_<false>>(); return true;
-        case Q6_K: *out = layout<Q6_K_>(); return true;
+        case Q6_K: *out = words ? layout<Q6_K_<true>>() : layout<Q6_K_<false>>(); return true;
         default: return false;
     }
 }
 
-// A 4-bit format's units from one layout of its quants to the other (scales unchanged).
+// A format's units from one layout of its quants to the other (scales unchanged).
 template <class From, class To>
 void relayout(const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
     constexpr int groups = From::weights / 32;
@@ -1871,12 +1987,12 @@ void relayout(const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
         for (int i = 0; i < groups; ++i) {
             const uint8_t* from = From::group(src + t * From::packed, i).q;
             uint8_t* to = dst + (from - src);
-            if constexpr (To::words) std::memset(to, 0, 256);
+            std::memset(to, 0, To::quant_bytes);
             for (int c = 0; c < TILE; ++c)
                 for (int j = 0; j < 16; ++j) {
                     int lo, hi;
-                    get4<From::words>(from, c, j, lo, hi);
-                    put4<To::words>(to, c, j, lo, hi);
+                    From::get(from, c, j, lo, hi);
+                    To::put(to, c, j, lo, hi);
                 }
         }
 }
@@ -1888,19 +2004,23 @@ extern "C" {
 // This build's layouts, of float rows and of int8 rows: weights packed by one build run on the
 // builds of the same name only; the 4-bit quants in words where the name says so.
 const char* specdecode_qlayout() { return WORDS4 ? "tiles32-words4" : "tiles32"; }
-const char* specdecode_qlayout_int8() { return INT8_WORDS4 ? "tiles32-words4" : "tiles32"; }
+const char* specdecode_qlayout_int8() {
+    return INT8_WORDS6 ? "tiles32-words4-words6" : INT8_WORDS4 ? "tiles32-words4" : "tiles32";
+}
 
-// A 4-bit format's packed weight (N rows of K) in the other layout of its quants: `format` with
-// WORDS or not is what dst is to be. 0 when done; 1: not a 4-bit format; 2: K not whole blocks.
+// A packed weight (N rows of K) of a format with two layouts of its quants in the other one:
+// `format` with WORDS or not is what dst is to be. 0 when done; 1: a format of one layout; 2: K not
+// whole blocks.
 int specdecode_qrelayout(int format, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
     const bool words = format & WORDS;
     const int base = format & ~WORDS;
-    const int weights = base == Q4_K ? 256 : 32;
+    const int weights = base == Q4_K || base == Q6_K ? 256 : 32;
     if (K % weights != 0) return 2;
     switch (base) {
         case Q4_0: words ? relayout<Q4_0_<false>, Q4_0_<true>>(src, N, K, dst) : relayout<Q4_0_<true>, Q4_0_<false>>(src, N, K, dst); return 0;
         case Q4_1: words ? relayout<Q4_1_<false>, Q4_1_<true>>(src, N, K, dst) : relayout<Q4_1_<true>, Q4_1_<false>>(src, N, K, dst); return 0;
         case Q4_K: words ? relayout<Q4_K_<false>, Q4_K_<true>>(src, N, K, dst) : relayout<Q4_K_<true>, Q4_K_<false>>(src, N, K, dst); return 0;
+        case Q6_K: words ? relayout<Q6_K_<false>, Q6_K_<true>>(src, N, K, dst) : relayout<Q6_K_<true>, Q6_K_<false>>(src, N, K, dst); return 0;
         default: return 1;
     }
 }
