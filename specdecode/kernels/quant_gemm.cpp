@@ -1675,20 +1675,33 @@ __attribute__((noinline)) void int8_word_rows(const int8_t* xq, const float* xd,
             for (int r = 0; r < R; ++r)
                 for (int c = 0; c < NT; ++c)
                     for (int s = 0; s < S; ++s) acc[r][c][s] = zero_i(), p16[r][c] = zero_p();
-#pragma GCC unroll 8  // constant steps: each sum a register of its own
-            for (int step = 0; step < 8; ++step) {  // a run's even steps, then its odd ones
-                const int run = step / 2, odd = step % 2, s = step % S;
-                W8 w[NT];
-                for (int c = 0; c < NT; ++c) w[c] = word_nibbles(q[c] + 64 * run, odd);
+            // step 2 run + odd: a run's even steps (odd 0), then its odd ones; each sum a register
+            const auto steps = [&](int run, int odd, const W8 (&w)[NT]) {
                 for (int r = 0; r < R; ++r) {
                     const X4 x = bcast4(xq + r * K + 32 * g + 8 * run + 4 * odd);
                     for (int c = 0; c < NT; ++c) {
                         if constexpr (VNNI) {
-                            acc[r][c][s] = dot4(acc[r][c][s], w[c], x);
+                            acc[r][c][(2 * run + odd) % S] = dot4(acc[r][c][(2 * run + odd) % S], w[c], x);
                         } else {
                             p16[r][c] = add16(p16[r][c], pairs(w[c], x));
                         }
                     }
+                }
+            };
+            if constexpr (NT == 2) {  // AVX-512: a run's words read once for both (AVX2's way: 4-8% slower)
+#pragma GCC unroll 4
+                for (int run = 0; run < 4; ++run) {
+                    W8 even[NT], odd[NT];
+                    for (int c = 0; c < NT; ++c) even[c] = word_nibbles(q[c] + 64 * run, 0), odd[c] = word_nibbles(q[c] + 64 * run, 1);
+                    steps(run, 0, even);
+                    steps(run, 1, odd);
+                }
+            } else {  // AVX2: a parity at a time, fewer registers live (16 ymm)
+#pragma GCC unroll 8
+                for (int step = 0; step < 8; ++step) {
+                    W8 w[NT];
+                    for (int c = 0; c < NT; ++c) w[c] = word_nibbles(q[c] + 64 * (step / 2), step % 2);
+                    steps(step / 2, step % 2, w);
                 }
             }
             for (int c = 0; c < NT; ++c) {
