@@ -438,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
         module = f"specdecode.bench.{name}"
         bench = sub.add_parser(command, help=about)
         add_model_args(bench)
-        if name in ("specbench", "peer"):  # the benchmarks that compare speeds of one model's runs
+        if name in ("specbench", "peer", "runtime"):  # the benchmarks that time one model's runs
             add_activations_arg(bench)
             add_kv_cache_arg(bench)
         importlib.import_module(module).add_args(bench)

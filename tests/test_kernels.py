@@ -3,10 +3,12 @@ its batch, and a model bound to them decodes exactly as one bound to PyTorch's."
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 
-from specdecode.kernels import REFERENCE, build, tiles
+from specdecode.kernels import REFERENCE, build, cpu_isa, tiles
 from specdecode.kernels.cpu import cpu_kernels
 from specdecode.kernels.cpu_isa import HEAD_DIMS, RowOps, attention_prefetch, bf16_tiles, float_tiles, row_ops
 from specdecode.layers.linear import Dense
@@ -408,3 +410,24 @@ def test_a_compiler_without_an_extensions_flag_gets_the_build_without_it(
     assert wanted <= set(asked[0]) and not wanted & set(asked[1])
     plain = cpu_isa.library(isa, optional=False)
     assert plain is not None and lib._name == plain._name  # the same library file: no extensions
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_a_build_takes_the_extensions_the_cpu_has(isa: str) -> None:
+    """Where the CPU lists a build's optional extensions (VNNI, VBMI, AVX-VNNI) and the compiler
+    takes their flags, the build the kernels load has them: a source that does not compile with
+    them would otherwise fall back, without a word, to the slower build without them."""
+    if not build.isa_runs_here(isa) or build.compiler() is None:
+        pytest.skip(f"the {isa} build does not run here")
+    flags = [flag for cpu_flag, flag in cpu_isa._OPTIONAL.get(isa, ()) if cpu_flag in build.cpu_flags()]
+    if not flags:
+        pytest.skip(f"the CPU lists none of the {isa} build's optional extensions")
+    probe = subprocess.run(
+        [str(build.compiler()), "-x", "c++", "-fsyntax-only", *cpu_isa._BUILDS[isa], *flags, "-"],
+        input="int main() { return 0; }\n", capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if probe.returncode != 0:
+        pytest.skip(f"the compiler does not take {' '.join(flags)}")
+    with_them, without = cpu_isa.library(isa), cpu_isa.library(isa, optional=False)
+    assert with_them is not None and without is not None
+    assert with_them._name != without._name

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
+from specdecode.bench import runtime
 from specdecode.errors import SpecDecodeError
 from specdecode.kernels import (
     GGUF_LAYOUT,
@@ -24,7 +25,7 @@ from specdecode.kernels import (
     select,
 )
 from specdecode.kernels.quant import QuantCPU, quant_kernel
-from tests.tiny_gguf import write_tiny_gguf
+from tests.tiny_gguf import CONTEXT, write_tiny_gguf
 
 # Formats whose decoding rows a model run with int8 activations reads in int8 (AVX-512, AVX2).
 INT8_DECODED = ("Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0")
@@ -580,6 +581,23 @@ def test_a_target_with_int8_activations_speculates_exactly(quant_gguf: Path) -> 
     ):
         got = llm.generate(prompts, params, use_tqdm=False, speculative=spec)
         assert [o.token_ids for o in got] == plain, spec
+
+
+def test_bench_runtime_times_int8_activations(quant_gguf: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`specdecode bench-runtime --activations int8`: the forward-latency curve of the int8 rows
+    (a model with fewer positions than 256 cached tokens and the widest forward: timed after as
+    many as it holds)."""
+    if select("cpu").quant is None:
+        pytest.skip("no quantized kernels here (no C++ compiler, or SPECDECODE_CPU_ISA=off)")
+    report = runtime.run(str(quant_gguf), "auto", 8, 1, None, activations="int8")
+    assert report.activations == "int8" and report.context == CONTEXT - max(runtime.LATENCY_WIDTHS)
+    assert set(report.forward_ms) == set(runtime.LATENCY_WIDTHS) and all(
+        ms > 0 for ms in report.forward_ms.values()
+    )
+    assert report.machine is not None and report.machine.kernels.endswith("-int8")
+    runtime.print_report(report)
+    out = capsys.readouterr().out
+    assert "activations int8" in out and f"over a {report.context}-token context" in out
 
 
 def test_int8_activations_need_weights_in_block_formats(quant_gguf: Path) -> None:

@@ -86,6 +86,8 @@ class RuntimeReport:
     dtype: str
     threads: int
     new_tokens: int
+    activations: str = "float32"  # int8: rounded as llama.cpp does, tokens no longer transformers' own
+    context: int = 256  # cached tokens the forward-latency curve is timed after
     ours_tok_s: list[float] = field(default_factory=list)
     hf_tok_s: list[float] = field(default_factory=list)
     # On a GPU: ours with every forward launched op by op (no CUDA graphs), and transformers with
@@ -113,6 +115,7 @@ class RuntimeReport:
         return {
             "model": self.model,
             "dtype": self.dtype,
+            "activations": self.activations,
             "threads": self.threads,
             "new_tokens": self.new_tokens,
             "specdecode_tok_s_median": round(statistics.median(self.ours_tok_s), 2),
@@ -123,12 +126,19 @@ class RuntimeReport:
             "same_tokens": self.same_tokens,
             "specdecode_eager_tok_s_runs": [round(x, 2) for x in self.ours_eager_tok_s],
             "transformers_compiled_tok_s_runs": [round(x, 2) for x in self.hf_compiled_tok_s],
+            "forward_context": self.context,
             "forward_ms_by_new_tokens": self.forward_ms,
             "graph_forward_ms_by_new_tokens": self.graph_forward_ms,
             "bounds_ms_by_new_tokens": {t: self.bounds_ms(t) for t in self.forward_ms},
             "machine": None if self.machine is None else dataclasses.asdict(self.machine),
             "memory": None if self.memory is None else dataclasses.asdict(self.memory),
         }
+
+
+def latency_context(llm: LLM, widths: tuple[int, ...], context: int = 256) -> int:
+    """The cached tokens the forward-latency curve is timed after: `context`, or fewer where the
+    model's positions would not hold them and the widest forward."""
+    return max(1, min(context, llm.model.config.max_position_embeddings - max(widths)))
 
 
 def forward_latency(
@@ -157,6 +167,7 @@ def run(
     threads: int | None,
     device: str | None = None,
     compile_peer: bool = False,
+    activations: str = "float32",
 ) -> RuntimeReport:
     import copy
 
@@ -170,7 +181,7 @@ def run(
     # once per process: warmed first, so that the difference is the model's own.
     torch.outer(torch.arange(4, device="meta").float(), torch.ones(2, device="meta")).cos()
     before = rss_mb()
-    llm = LLM(model=model, dtype=dtype, device=device)
+    llm = LLM(model=model, dtype=dtype, device=device, activations=activations)
     after = rss_mb()
     gpu = llm.model.device.type == "cuda"
     # The model's dtype (a GGUF run as stored computes in float32: transformers runs the same
@@ -181,7 +192,7 @@ def run(
     eager = llm.new_engine(dataclasses.replace(llm.engine.config, cuda_graphs=False)) if gpu else None
     ids = llm.chat_prompt([{"role": "user", "content": PROMPT}])
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    report = RuntimeReport(model, dtype, torch.get_num_threads(), new_tokens)
+    report = RuntimeReport(model, dtype, torch.get_num_threads(), new_tokens, activations)
     input_ids = torch.tensor([ids], device=llm.model.device)
 
     def ours() -> list[int]:
@@ -219,9 +230,10 @@ def run(
             sink.append(len(tokens) / (time.perf_counter() - t0))
     # min_new_tokens masks end-of-sequence in transformers, ignore_eos in ours: same rule, same tokens
     report.same_tokens = ours() == generate(hf)
-    report.forward_ms = forward_latency(llm, LATENCY_WIDTHS)
+    report.context = latency_context(llm, LATENCY_WIDTHS)
+    report.forward_ms = forward_latency(llm, LATENCY_WIDTHS, report.context)
     if llm.engine.graphs is not None:
-        seconds = llm.engine.graphs.seconds(list(LATENCY_WIDTHS), 256, 20)
+        seconds = llm.engine.graphs.seconds(list(LATENCY_WIDTHS), report.context, 20)
         report.graph_forward_ms = {t: round(1000 * statistics.median(s), 3) for t, s in seconds.items()}
     report.machine = machine(llm)
     if before is not None and after is not None:
@@ -239,10 +251,14 @@ def file_mb(model: str) -> float | None:
 
 def print_report(report: RuntimeReport) -> None:
     d = report.as_dict()
-    print(f"model {report.model}  dtype {report.dtype}  threads {report.threads}  tokens {report.new_tokens}")
+    print(
+        f"model {report.model}  dtype {report.dtype}  activations {report.activations}  "
+        f"threads {report.threads}  tokens {report.new_tokens}"
+    )
     print(f"  specdecode    {d['specdecode_tok_s_median']:>8} tok/s  (runs {d['specdecode_tok_s_runs']})")
     print(f"  transformers  {d['transformers_tok_s_median']:>8} tok/s  (runs {d['transformers_tok_s_runs']})")
-    print(f"  speedup       {d['speedup']:>8}x    same greedy tokens: {report.same_tokens}")
+    rounded = " (int8 activations: not expected)" if report.activations == "int8" else ""
+    print(f"  speedup       {d['speedup']:>8}x    same greedy tokens: {report.same_tokens}{rounded}")
     if report.ours_eager_tok_s:
         eager = statistics.median(report.ours_eager_tok_s)
         runs = d["specdecode_eager_tok_s_runs"]
@@ -251,16 +267,17 @@ def print_report(report: RuntimeReport) -> None:
         fast = statistics.median(report.hf_compiled_tok_s)
         ours = d["specdecode_tok_s_median"]
         print(f"  transformers static cache + compile  {fast:>8.2f} tok/s  (ours {ours / fast:.2f}x)")
-    print("  forward + greedy LM head latency (ms) by new tokens over a 256-token context:")
+    print(f"  forward + greedy LM head latency (ms) by new tokens over a {report.context}-token context:")
     print("    " + "  ".join(f"T={t}: {ms}" for t, ms in report.forward_ms.items()))
     if report.graph_forward_ms:
         print("  the same from captured CUDA graphs (ms):")
         print("    " + "  ".join(f"T={t}: {ms}" for t, ms in report.graph_forward_ms.items()))
     m = report.machine
     if m is not None:
+        int8 = " float32; int8 dot products have more" if report.activations == "int8" else ""
         print(
             f"  bounds ({m.kernels} kernels, {m.weight_bytes / 1e6:.1f} MB of {m.weight_params / 1e6:.1f}M"
-            f" weights read at {m.bandwidth / 1e9:.1f} GB/s, peak {m.peak_flops / 1e9:.0f} GFLOP/s):"
+            f" weights read at {m.bandwidth / 1e9:.1f} GB/s, peak {m.peak_flops / 1e9:.0f} GFLOP/s{int8}):"
         )
         for t, ms in (report.graph_forward_ms or report.forward_ms).items():
             mem, comp = report.bounds_ms(t)  # type: ignore[misc]
@@ -289,8 +306,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def main_args(args: argparse.Namespace) -> None:
     require_positive(args, "new_tokens", "repeats")
     report = run(
-        args.model, args.dtype, args.new_tokens, args.repeats, args.threads, args.device, args.compile
-    )
+        args.model, args.dtype, args.new_tokens, args.repeats, args.threads, args.device, args.compile,
+        args.activations,
+    )  # fmt: skip
     print_report(report)
     if args.json:
         with open(args.json, "w") as fh:
