@@ -79,11 +79,10 @@ def test_products_of_stored_weights(isa: str, fmt: str, outputs: int) -> None:
 
 @pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
 def test_avx2_and_avx512_give_the_same_bits(fmt: str) -> None:
-    """Both builds keep the same quants and scales (AVX-512 its 4-bit quants in words; AVX2 in
-    GGUF's byte pairs for float rows, in words for int8 rows, the very bytes of AVX-512's, and
-    there Q6_K's and Q8_0's as words and quads) and the same 16 lanes of fused multiply-adds in
-    the same order, so a model decodes the same tokens on a CPU with AVX-512 and on one with only
-    AVX2."""
+    """Both builds keep the same quants and scales (AVX-512 its 4-bit quants in words, AVX2 in
+    GGUF's byte pairs for float rows and in words for int8 rows, the very bytes of AVX-512's, and
+    there Q6_K's too) and the same 16 lanes of fused multiply-adds in the same order, so a model
+    decodes the same tokens on a CPU with AVX-512 and on one with only AVX2."""
     wide, narrow = quant_kernel("avx512"), quant_kernel("avx2")
     if wide is None or narrow is None:
         pytest.skip("needs both the AVX-512 and the AVX2 build")
@@ -99,11 +98,10 @@ def test_avx2_and_avx512_give_the_same_bits(fmt: str) -> None:
         assert torch.equal(prompt, narrow.matmul(x[:m], again, prefill=True))
     wide8, narrow8 = wide.approximate(), narrow.approximate()
     weight8, again8 = wide8.pack(weight), narrow8.pack(again)  # AVX2's 4-bit quants laid out anew
-    assert wide8.layout == wide.layout and narrow8.layout == "tiles32-words4-words6-quads8"
+    assert wide8.layout == wide.layout and narrow8.layout == "tiles32-words4-words6"
     assert torch.equal(wide8.dequantize(weight8), narrow8.dequantize(again8))
     for a, b in zip(weight8.parts, again8.parts, strict=True):
-        # Q6_K, Q8_0: AVX-512's float layout (read with VBMI's permutes), AVX2's words and quads
-        assert torch.equal(a.data, b.data) == (fmt not in ("Q6_K", "Q8_0"))
+        assert torch.equal(a.data, b.data) == (fmt != "Q6_K")  # Q6_K: AVX-512's triples, AVX2's words
     for m in (1, 2, 3, 5, 12, 24, 40):
         draft = wide8.matmul(x[:m], weight8, prefill=True)  # integer sums, then the same floats
         assert torch.equal(draft, narrow8.matmul(x[:m], again8, prefill=True))
@@ -156,16 +154,16 @@ def test_a_drafts_prompt_rows_in_int8(isa: str, fmt: str) -> None:
     """`approximate()`'s prefill rows round x to int8 per group of 32 and sum x q in integers:
     exact (to float rounding) where that rounding keeps x, close elsewhere; each row on its own.
     Its decoding rows are the same int8 products for the 4-bit formats, Q6_K and Q8_0 (signed
-    quants) on AVX-512 and AVX2 (Q4_0, Q4_1 and Q4_K read from their words, on AVX2 Q6_K's words
-    and Q8_0's quads too), bit for bit those of the prompt rows, one row or several; elsewhere
-    (Q5_0, the portable build) they are the exact kernel's, bit for bit. Its layout may hold the
-    quants another way than the exact kernel's (AVX2: words and quads): a weight packed by one is
-    laid out for the other, the same values, and back to the same bytes."""
+    quants) on AVX-512 and AVX2 (Q4_0, Q4_1 and Q4_K read from their words, and on AVX2 Q6_K),
+    bit for bit those of the prompt rows, one row or several; elsewhere (Q5_0, the portable build)
+    they are the exact kernel's, bit for bit. Its layout may hold the quants another way than the
+    exact kernel's (AVX2: words, not byte pairs or triples): a weight packed by one is laid out
+    for the other, the same values, and back to the same bytes."""
     exact = quant_kernel(isa)
     assert exact is not None
     draft = exact.approximate()
     assert draft.name != exact.name and draft.layout == (
-        exact.layout if isa != "avx2" else "tiles32-words4-words6-quads8"
+        exact.layout if isa != "avx2" else "tiles32-words4-words6"
     )
     packed = exact.pack(random_weight(fmt, 45, 512, seed=3))  # a unit padded
     weight = draft.pack(packed)

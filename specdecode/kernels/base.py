@@ -206,15 +206,11 @@ QUANT_FORMATS = {  # name: (ggml type id, weights per block, bytes per block)
 
 
 GGUF_LAYOUT = "gguf"  # blocks as a GGUF file stores them: one row of blocks per output
-# A CPU layout whose name has one of these parts holds the quants of its formats another way
-# (quant_gemm.cpp's words and quads), and its kernel calls name them with WORDS added to the ggml
+# A CPU layout whose name has one of these parts holds the quants of its formats in words
+# (quant_gemm.cpp's `put4`, `put6`), and its kernel calls name them with WORDS added to the ggml
 # type id.
 WORDS = 256
-WORD_LAYOUTS = {
-    "-words4": frozenset({"Q4_0", "Q4_1", "Q4_K"}),
-    "-words6": frozenset({"Q6_K"}),
-    "-quads8": frozenset({"Q8_0"}),
-}
+WORD_LAYOUTS = {"-words4": frozenset({"Q4_0", "Q4_1", "Q4_K"}), "-words6": frozenset({"Q6_K"})}
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,6 @@ inline VI and_(VI a, int m) { return {_mm512_and_si512(a.v, _mm512_set1_epi32(m)
 inline VI or_(VI a, VI b) { return {_mm512_or_si512(a.v, b.v)}; }
 inline VI shr(VI a, int n) { return {_mm512_srli_epi32(a.v, n)}; }
 inline VI shl(VI a, int n) { return {_mm512_slli_epi32(a.v, n)}; }
-inline VI sar(VI a, int n) { return {_mm512_srai_epi32(a.v, n)}; }
 inline V to_float(VI a) { return {_mm512_cvtepi32_ps(a.v)}; }
 inline V halves(const uint8_t* p) {  // 16 IEEE binary16 -> float32 (exact)
     return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
@@ -108,7 +107,6 @@ inline VI and_(VI a, int m) {
 inline VI or_(VI a, VI b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
 inline VI shr(VI a, int n) { return {_mm256_srli_epi32(a.lo, n), _mm256_srli_epi32(a.hi, n)}; }
 inline VI shl(VI a, int n) { return {_mm256_slli_epi32(a.lo, n), _mm256_slli_epi32(a.hi, n)}; }
-inline VI sar(VI a, int n) { return {_mm256_srai_epi32(a.lo, n), _mm256_srai_epi32(a.hi, n)}; }
 inline V to_float(VI a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
 inline V halves(const uint8_t* p) {
     return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
@@ -152,10 +150,6 @@ inline VI shr(VI a, int n) {
 }
 inline VI shl(VI a, int n) {
     for (int32_t& v : a.i) v = int32_t(uint32_t(v) << n);
-    return a;
-}
-inline VI sar(VI a, int n) {
-    for (int32_t& v : a.i) v >>= n;
     return a;
 }
 inline V to_float(VI a) {
@@ -379,18 +373,17 @@ constexpr bool WORDS4 = true;
 #else
 constexpr bool WORDS4 = false;
 #endif
-// The int8 layout's: words wherever there are int8 decoding rows to read them; on AVX2 Q6_K's
-// words and Q8_0's quads too (`INT8_WORDS68`: `Q6_K_`, `Q8_0_`), where AVX-512 reads their float
-// layouts with VBMI's byte permutes instead.
+// The int8 layout's: words wherever there are int8 decoding rows to read them; on AVX2 Q6_K's too
+// (`Q6_K_`), where AVX-512 reads its triples with VBMI's byte permutes instead.
 #if defined(__AVX2__)
 constexpr bool INT8_WORDS4 = true;
 #else
 constexpr bool INT8_WORDS4 = WORDS4;
 #endif
 #if defined(__AVX2__) && !defined(__AVX512F__)
-constexpr bool INT8_WORDS68 = true;
+constexpr bool INT8_WORDS6 = true;
 #else
-constexpr bool INT8_WORDS68 = false;
+constexpr bool INT8_WORDS6 = false;
 #endif
 
 template <bool words>
@@ -515,23 +508,15 @@ struct Q5_0_ {  // d, the fifth bits (16 x uint32: bit k of output c), nibble pa
     }
 };
 
-// d, then the signed quants one of two ways: 16 steps x (16 int8 at j, 16 at j + 16), or in quads
-// (`W`: AVX2's int8 layout): step pair p's 64 bytes, output c's q[2p], q[2p + 1], q[2p + 16],
-// q[2p + 17] at 4c, as the int8 rows' dot products take them (`int8_q8_quad_rows`).
-template <bool W = false>
-struct Q8_0_ : Uniform {
+struct Q8_0_ : Uniform {  // d, then 16 steps x (16 int8 at j, 16 at j + 16)
     static constexpr int weights = 32, bytes = 34, packed = TILE * bytes, bits = 8;  // signed
-    static constexpr bool words = W;
-    static constexpr int quant_bytes = 512;  // a group's quants: `get`, `put` read and write a step's
-    static int at(int c, int j, int half) { return W ? 64 * (j / 2) + 4 * c + 2 * half + j % 2 : 32 * j + 16 * half + c; }
-    static void get(const uint8_t* q, int c, int j, int& lo, int& hi) {
-        lo = int8_t(q[at(c, j, 0)]), hi = int8_t(q[at(c, j, 1)]);
-    }
-    static void put(uint8_t* q, int c, int j, int lo, int hi) { q[at(c, j, 0)] = uint8_t(lo), q[at(c, j, 1)] = uint8_t(hi); }
     static void pack(const uint8_t* const* src, uint8_t* dst) {
         for (int c = 0; c < TILE; ++c) {
             std::memcpy(dst + 2 * c, src[c], 2);
-            for (int j = 0; j < 16; ++j) put(dst + 32, c, j, int8_t(src[c][2 + j]), int8_t(src[c][2 + 16 + j]));
+            for (int j = 0; j < 16; ++j) {
+                dst[32 + 32 * j + c] = src[c][2 + j];
+                dst[32 + 32 * j + 16 + c] = src[c][2 + 16 + j];
+            }
         }
     }
     static Group group(const uint8_t* t, int) {
@@ -539,12 +524,6 @@ struct Q8_0_ : Uniform {
         return {d, d, zero(), zero(), t + 32};
     }
     static void quants(const Group& g, int j, V& lo, V& hi) {
-        if constexpr (W) {  // each byte to the top of its lane, then back with its sign
-            const VI v = u32_lanes(g.q + 64 * (j / 2));
-            lo = to_float(sar(shl(v, 24 - 8 * (j % 2)), 24));
-            hi = to_float(sar(shl(v, 8 - 8 * (j % 2)), 24));
-            return;
-        }
         lo = to_float(i8_lanes(g.q + 32 * j));
         hi = to_float(i8_lanes(g.q + 32 * j + 16));
     }
@@ -1527,12 +1506,11 @@ constexpr int64_t X8Q8 = Q8_UNSIGNED ? 2 : 1;  // bytes of `q8_x` a weight
 // x[2p + 16], x[2p + 17] (M, K).
 // With `Q8_UNSIGNED`, each group's 32 bytes are followed by its int32 -128 (x[0] + ... + x[31]) and 28
 // bytes of padding: (M, 2 K).
-template <bool sums>
 void q8_x(const int8_t* q, int64_t M, int64_t K, int8_t* out) {
     for (int64_t i = 0; i < M * (K / 32); ++i, q += 32) {
         for (int p = 0; p < 8; ++p, out += 4)
             out[0] = q[2 * p], out[1] = q[2 * p + 1], out[2] = q[2 * p + 16], out[3] = q[2 * p + 17];
-        if constexpr (sums) {
+        if constexpr (Q8_UNSIGNED) {
             int32_t sum = 0;
             for (int k = 0; k < 32; ++k) sum += q[k];
             sum *= -128;
@@ -1768,46 +1746,6 @@ __attribute__((noinline)) void int8_q6_word_rows(const int8_t* xq, const float* 
     });
     for (int r = 0; r < R; ++r) out.store(r, y + r * ldy + first * TILE, valid - first * TILE);
 }
-
-// R rows of int8 x (x8: `q8_x<true>`; scales xd (R, K/32); float half sums xs (R, K/16)) over tile
-// `first` of a unit of Q8_0 in quads (AVX2's int8 layout): a step pair's two loads are output
-// quads as they are. With VNNI flipping their top bits makes them the unsigned q + 128 that
-// `vpdpbusd` takes, its sums started at -128 (x[0] + ... + x[31]) so that they end as x q's (one
-// xor a register and one dot product a row); without, `dot4s` (|q| once, x's sign by q a row).
-template <class F, int R>
-__attribute__((noinline)) void int8_q8_quad_rows(const int8_t* x8, const float* xd, const float* xs, int64_t K,
-                                                 const uint8_t* unit, int first, float* y, int64_t ldy, int valid) {
-    const __m256i flip = _mm256_set1_epi8(char(0x80));
-    Sums<R, 1> out;
-    tile_groups<F>(unit, K, first, [&](const typename F::Group& grp, int64_t g) {
-        __m256i acc[R][2];  // outputs 0-7, 8-15
-        for (int r = 0; r < R; ++r) {
-            int32_t start = 0;
-            if constexpr (VNNI) std::memcpy(&start, x8 + r * 2 * K + 64 * g + 32, 4);
-            acc[r][0] = acc[r][1] = _mm256_set1_epi32(start);
-        }
-#pragma GCC unroll 8
-        for (int p = 0; p < 8; ++p) {
-            const W8 w = load_w8(grp.q + 64 * p);
-            const __m256i q[2] = {w.lo, w.hi};
-            for (int r = 0; r < R; ++r) {
-                const __m256i x = _mm256_set1_epi32(word4(x8 + r * 2 * K + 64 * g + 4 * p));
-                for (int c = 0; c < 2; ++c) {
-#if VNNI256
-                    acc[r][c] = dpbusd256(acc[r][c], _mm256_xor_si256(q[c], flip), x);
-#else
-                    acc[r][c] = dot4s(acc[r][c], q[c], x);
-#endif
-                }
-            }
-        }
-        for (int r = 0; r < R; ++r) {
-            const VI sum = int32_lanes(acc[r][0], acc[r][1]);
-            out.set(r, 0, apply_int8<true>(grp, sum, sum, xd, xs, K, r, g, out.get(r, 0)));
-        }
-    });
-    for (int r = 0; r < R; ++r) out.store(r, y + r * ldy + first * TILE, valid - first * TILE);
-}
 #endif
 
 #endif
@@ -1820,21 +1758,17 @@ constexpr bool Q6 = F::bits == 6 && !F::uniform;
 template <class F>
 constexpr bool Q8 = F::bits == 8;
 template <class F>
-constexpr bool INT8_DECODES = INT8_WORDS<F> ? F::bits == 4 || INT8_WORDS68 : Q6<F> || Q8<F>;
+constexpr bool INT8_DECODES = (INT8_WORDS<F> && (F::bits == 4 || INT8_WORDS6)) || (Q6<F> && !F::words) || Q8<F>;
 template <class F>
-constexpr int64_t X8 = Q8<F> ? (F::words ? 2 : X8Q8) : INT8_WORDS<F> ? 1 : Q6<F> ? (Q6_PAIRS ? 1 : 2) : 1;
+constexpr int64_t X8 = INT8_WORDS<F> ? 1 : Q6<F> ? (Q6_PAIRS ? 1 : 2) : Q8<F> ? X8Q8 : 1;
 template <class F>
 void int8_x(const float* x, int64_t M, int64_t K, int8_t* xq, float* d) {
-    if constexpr (INT8_WORDS<F> && !Q8<F>) {
+    if constexpr (INT8_WORDS<F>) {
         quantize_rows<true>(x, M, K, xq, d);
     } else {
         std::vector<int8_t> q(size_t(M * K));
         quantize_rows(x, M, K, q.data(), d);
-        if constexpr (Q6<F>) {
-            q6_x(q.data(), M, K, xq);
-        } else {
-            q8_x<F::words || Q8_UNSIGNED>(q.data(), M, K, xq);
-        }
+        (Q6<F> ? q6_x : q8_x)(q.data(), M, K, xq);
     }
 }
 template <class F, int R>
@@ -1844,15 +1778,9 @@ void int8_unit_rows(const int8_t* xq, const float* xd, const float* xs, int64_t 
         for (int first = 0; first < 2; first += WORD_TILES) int8_word_rows<F, R>(xq, xd, xs, K, unit, first, y, ldy, valid);
         return;
     }
-#if !defined(__AVX512F__)  // (INT8_WORDS68)
-    if constexpr (INT8_WORDS<F> && F::bits > 4) {
-        for (int first = 0; first < 2; ++first) {
-            if constexpr (Q6<F>) {
-                int8_q6_word_rows<F, R>(xq, xd, xs, K, unit, first, y, ldy, valid);
-            } else {
-                int8_q8_quad_rows<F, R>(xq, xd, xs, K, unit, first, y, ldy, valid);
-            }
-        }
+#if !defined(__AVX512F__)  // (INT8_WORDS6)
+    if constexpr (INT8_WORDS<F> && Q6<F>) {
+        for (int first = 0; first < 2; ++first) int8_q6_word_rows<F, R>(xq, xd, xs, K, unit, first, y, ldy, valid);
         return;
     }
 #endif
@@ -2058,7 +1986,7 @@ bool layout_of(int format, Layout* out) {
         case Q4_0: *out = words ? layout<Q4_0_<true>>() : layout<Q4_0_<false>>(); return true;
         case Q4_1: *out = words ? layout<Q4_1_<true>>() : layout<Q4_1_<false>>(); return true;
         case Q5_0: *out = layout<Q5_0_>(); return true;
-        case Q8_0: *out = words ? layout<Q8_0_<true>>() : layout<Q8_0_<false>>(); return true;
+        case Q8_0: *out = layout<Q8_0_>(); return true;
         case Q4_K: *out = words ? layout<Q4_K_<true>>() : layout<Q4_K_<false>>(); return true;
         case Q6_K: *out = words ? layout<Q6_K_<true>>() : layout<Q6_K_<false>>(); return true;
         default: return false;
@@ -2093,7 +2021,7 @@ extern "C" {
 // builds of the same name only; the 4-bit quants in words where the name says so.
 const char* specdecode_qlayout() { return WORDS4 ? "tiles32-words4" : "tiles32"; }
 const char* specdecode_qlayout_int8() {
-    return INT8_WORDS68 ? "tiles32-words4-words6-quads8" : INT8_WORDS4 ? "tiles32-words4" : "tiles32";
+    return INT8_WORDS6 ? "tiles32-words4-words6" : INT8_WORDS4 ? "tiles32-words4" : "tiles32";
 }
 
 // A packed weight (N rows of K) of a format with two layouts of its quants in the other one:
@@ -2109,7 +2037,6 @@ int specdecode_qrelayout(int format, const uint8_t* src, int64_t N, int64_t K, u
         case Q4_1: words ? relayout<Q4_1_<false>, Q4_1_<true>>(src, N, K, dst) : relayout<Q4_1_<true>, Q4_1_<false>>(src, N, K, dst); return 0;
         case Q4_K: words ? relayout<Q4_K_<false>, Q4_K_<true>>(src, N, K, dst) : relayout<Q4_K_<true>, Q4_K_<false>>(src, N, K, dst); return 0;
         case Q6_K: words ? relayout<Q6_K_<false>, Q6_K_<true>>(src, N, K, dst) : relayout<Q6_K_<true>, Q6_K_<false>>(src, N, K, dst); return 0;
-        case Q8_0: words ? relayout<Q8_0_<false>, Q8_0_<true>>(src, N, K, dst) : relayout<Q8_0_<true>, Q8_0_<false>>(src, N, K, dst); return 0;
         default: return 1;
     }
 }
