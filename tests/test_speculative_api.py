@@ -207,8 +207,9 @@ def test_draft_dtype(llm: LLM, tiny_paths, tmp_path: Path) -> None:
 
         def formats(model: Transformer) -> set[str]:  # runs on the target's kernels for drafts
             assert model.dtype == torch.float32 and model.kernels.name == f"{llm.model.kernels.name}-int8"
-            draft_quant = model.kernels.quant
-            assert model.layers[0].qkv.kernel is draft_quant and draft_quant.layout == quant.layout
+            draft_quant = model.kernels.quant  # the int8 products' layout (AVX2: not the float one's)
+            assert model.layers[0].qkv.kernel is draft_quant
+            assert model.layers[0].qkv.quantized.layout == draft_quant.layout == quant.approximate().layout
             return {p.format for layer in model.layers for p in layer.qkv.quantized.parts}
 
         assert formats(llm.drafters.draft_model(str(q8_path), "auto")) == {"Q4_0"}
