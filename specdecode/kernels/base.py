@@ -232,11 +232,13 @@ class QuantPart:
             object.__setattr__(self, "rows", int(self.data.shape[0]))
 
 
-def kernel_format(part: QuantPart) -> int:
-    """The format id a kernel call takes for `part`: its ggml type id, plus WORDS where its
-    layout holds its 4-bit quants in words."""
-    words = any(part.format in formats and name in part.layout for name, formats in WORD_LAYOUTS.items())
-    return QUANT_FORMATS[part.format][0] | (WORDS if words else 0)
+@functools.cache
+def kernel_format(fmt: str, layout: str) -> int:
+    """The format id a kernel call takes for quants of `fmt` laid out as `layout`: its ggml type
+    id, plus WORDS where the layout holds them in words (worked out once per pair: embedding rows
+    ask every step)."""
+    words = any(fmt in formats and name in layout for name, formats in WORD_LAYOUTS.items())
+    return QUANT_FORMATS[fmt][0] | (WORDS if words else 0)
 
 
 @dataclass(frozen=True)
@@ -263,7 +265,7 @@ class QuantWeight:
         for p in self.parts:
             firsts.append(firsts[-1] + p.rows)
         return tuple(
-            (kernel_format(p), p.data.data_ptr(), p.rows, first)
+            (kernel_format(p.format, p.layout), p.data.data_ptr(), p.rows, first)
             for p, first in zip(self.parts, firsts, strict=False)
         )
 

@@ -73,7 +73,7 @@ class QuantCPU:
         k = weight.in_features
         packed = []
         for group in _mergeable(weight.parts):
-            fmt = kernel_format(QuantPart(group[0].format, group[0].data, self.layout, group[0].rows))
+            fmt = kernel_format(group[0].format, self.layout)
             rows = sum(p.rows for p in group)
             size = self._lib.specdecode_qpacked_bytes(fmt, rows, k)
             if size < 0:
@@ -92,14 +92,12 @@ class QuantCPU:
         anew (a copy), the others' bytes the same in both (shared)."""
         k, parts = weight.in_features, []
         for part in weight.parts:
-            mine = QuantPart(part.format, part.data, self.layout, part.rows)
-            fmt = kernel_format(mine)
-            if fmt != kernel_format(part):  # its quants are laid out differently
-                src, out = part.data.contiguous(), torch.empty_like(part.data)
-                if self._lib.specdecode_qrelayout(fmt, src.data_ptr(), part.rows, k, out.data_ptr()):
+            data, fmt = part.data, kernel_format(part.format, self.layout)
+            if fmt != kernel_format(part.format, part.layout):  # its quants are laid out differently
+                src, data = part.data.contiguous(), torch.empty_like(part.data)
+                if self._lib.specdecode_qrelayout(fmt, src.data_ptr(), part.rows, k, data.data_ptr()):
                     raise ValueError(f"{self.name}: cannot lay out {part.format} rows of {k} weights anew")
-                mine = QuantPart(part.format, out, self.layout, part.rows)
-            parts.append(mine)
+            parts.append(QuantPart(part.format, data, self.layout, part.rows))
         return QuantWeight(k, tuple(parts))
 
     def _check(self, weight: QuantWeight) -> None:
@@ -145,7 +143,7 @@ class QuantCPU:
 
     def _rows(self, part: QuantPart, k: int, ids: Tensor, out: Tensor) -> None:
         """Rows `ids` (n,) of one packed part into out (n, k)."""
-        fmt, n = kernel_format(part), ids.numel()
+        fmt, n = kernel_format(part.format, part.layout), ids.numel()
         if self._lib.specdecode_qrows(fmt, part.data.data_ptr(), k, ids.data_ptr(), n, out.data_ptr()):
             raise ValueError(f"{self.name}: cannot read {part.format} rows of {k} weights")
 
@@ -158,7 +156,8 @@ class QuantCPU:
         first = weight.parts[0]
         if not 0 < n <= first.rows or (n % UNIT and n != first.rows):
             return None
-        size = self._lib.specdecode_qpacked_bytes(kernel_format(first), n, weight.in_features)
+        fmt = kernel_format(first.format, first.layout)
+        size = self._lib.specdecode_qpacked_bytes(fmt, n, weight.in_features)
         return QuantWeight(weight.in_features, (QuantPart(first.format, first.data[:size], self.layout, n),))
 
 

@@ -1651,8 +1651,10 @@ __attribute__((noinline)) void int8_word_rows(const int8_t* xq, const float* xd,
             VI acc[R][NT][S];
             P p16[R][NT];  // without VNNI
             for (int r = 0; r < R; ++r)
-                for (int c = 0; c < NT; ++c)
-                    for (int s = 0; s < S; ++s) acc[r][c][s] = zero_i(), p16[r][c] = zero_p();
+                for (int c = 0; c < NT; ++c) {
+                    p16[r][c] = zero_p();
+                    for (int s = 0; s < S; ++s) acc[r][c][s] = zero_i();
+                }
             // step 2 run + odd: a run's even steps (odd 0), then its odd ones; each sum a register
             const auto steps = [&](int run, int odd, const W8 (&w)[NT]) {
                 for (int r = 0; r < R; ++r) {
@@ -2029,10 +2031,10 @@ const char* specdecode_qlayout_int8() {
 // whole blocks.
 int specdecode_qrelayout(int format, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
     const bool words = format & WORDS;
-    const int base = format & ~WORDS;
-    const int weights = base == Q4_K || base == Q6_K ? 256 : 32;
-    if (K % weights != 0) return 2;
-    switch (base) {
+    Layout lay;
+    if (!layout_of(format, &lay)) return 1;
+    if (K % lay.weights != 0) return 2;
+    switch (format & ~WORDS) {
         case Q4_0: words ? relayout<Q4_0_<false>, Q4_0_<true>>(src, N, K, dst) : relayout<Q4_0_<true>, Q4_0_<false>>(src, N, K, dst); return 0;
         case Q4_1: words ? relayout<Q4_1_<false>, Q4_1_<true>>(src, N, K, dst) : relayout<Q4_1_<true>, Q4_1_<false>>(src, N, K, dst); return 0;
         case Q4_K: words ? relayout<Q4_K_<false>, Q4_K_<true>>(src, N, K, dst) : relayout<Q4_K_<true>, Q4_K_<false>>(src, N, K, dst); return 0;
