@@ -76,6 +76,9 @@ class Segment:
     def row_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The segment's rows as a row kernel reads them: each row's own slot (T,), how many slots
         it sees (T,), and those slots in position order, row after row (nnz,)."""
+        if self.mask is None and self.length == 1:  # a decoding step's one row sees every slot
+            table = self.cache.slot_table(self.start + 1)  # (start+1,)
+            return table[self.start :], torch.full((1,), self.start + 1, device=table.device), table
         table, mask = self.slots_seen()
         return table[self.start :], mask.sum(1), table.expand(self.length, -1)[mask]
 
@@ -338,13 +341,18 @@ class _KernelRows:
         if not rows:
             return None
         row_ptr = torch.zeros(sum(r.numel() for r in rows) + 1, dtype=torch.long, device=first[0].device)
-        torch.cumsum(torch.cat(counts), 0, out=row_ptr[1:])
+        torch.cumsum(_joined(counts), 0, out=row_ptr[1:])
         return cls(
             kernels.attend_rows,
             segments[fast.index(True)].cache,
             fast,
-            torch.cat(rows),
-            torch.cat(new_slots),
+            _joined(rows),
+            _joined(new_slots),
             row_ptr,
-            torch.cat(idx),
+            _joined(idx),
         )
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat(parts)`, without the copy for one part (a request alone: most CPU steps)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

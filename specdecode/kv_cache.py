@@ -16,6 +16,16 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.config import ModelConfig
 
 
+def moved(keep: torch.Tensor | list[int], device: torch.device) -> torch.Tensor | None:
+    """`keep` (a compaction's offsets, increasing) as a tensor on `device`, or None where nothing
+    moves (it is 0, 1, ..., M-1: a chain accepted from its root, the common case, checked on the
+    host without a tensor op)."""
+    if isinstance(keep, list):
+        return None if keep == list(range(len(keep))) else torch.tensor(keep, dtype=torch.long, device=device)
+    keep_t = keep.to(device=device, dtype=torch.long)  # (M,)
+    return None if torch.equal(keep_t, torch.arange(keep_t.numel(), device=device)) else keep_t
+
+
 class SequenceCache(Protocol):
     """What attention and the engine need from one sequence's cache: `KVCache` here, the serving
     engine's `PagedCache` (blocks shared by many requests) there."""
@@ -79,13 +89,19 @@ class KVCache:
         self.max_len = max_len
         self.length = 0
         self._slots = torch.arange(max_len, device=device)
+        # One sequence's (H_kv, S_max, D) keys and values of each layer, as views made once for
+        # the tensors they view (training swaps in grown ones).
+        self._layers: tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The layer's keys and values as (H_kv, S_max, D) slots, which attention kernels read
         and write directly; None for a batch of several sequences."""
         if self.k.shape[1] != 1:
             return None
-        return self.k[layer, 0], self.v[layer, 0]
+        if self._layers is None or self._layers[0] is not self.k or self._layers[1] is not self.v:
+            views = list(zip(self.k[:, 0].unbind(0), self.v[:, 0].unbind(0), strict=True))
+            self._layers = self.k, self.v, views
+        return self._layers[2][layer]
 
     def slot_table(self, end: int) -> torch.Tensor:
         """(end,) long: the slot of each position 0..end-1 in `layer_slots` (here the identity)."""
@@ -137,9 +153,9 @@ class KVCache:
     def compact(self, start: int, keep: torch.Tensor | list[int]) -> None:
         """Keep the slots `start + keep[i]` (a tree's accepted path, in order) at `start + i` and
         forget every slot after them. `keep` holds offsets relative to `start`, increasing."""
-        keep_t = torch.as_tensor(keep, dtype=torch.long, device=self.k.device)  # (M,)
-        m = int(keep_t.numel())
-        if m and not torch.equal(keep_t, torch.arange(m, device=keep_t.device)):
+        m = len(keep)
+        keep_t = moved(keep, self.k.device)  # (M,) or None
+        if keep_t is not None:
             src = keep_t + start
             self.k[:, :, :, start : start + m] = self.k.index_select(3, src)
             self.v[:, :, :, start : start + m] = self.v.index_select(3, src)

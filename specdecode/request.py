@@ -196,17 +196,17 @@ class StepPlan:
             return cls(None, None, torch.tensor([req.root], device=device), zero, None)
         tree = proposal.tree.to(device)
         n, m = tree.num_nodes, proposal.num_side
-        ancestors = tree.ancestor_mask()  # (N+1, N+1)
-        depths = ancestors.sum(dim=1) - 1  # (N+1,): `tree.depths()`, without walking the tree again
-        ids = torch.cat([torch.tensor([req.root], device=device), tree.tokens])  # (N+1,)
+        ids = torch.tensor([req.root, *tree.token_ids], device=device)  # (N+1,)
+        depths = torch.tensor(tree.depth_ids, device=device)  # (N+1,)
+        if not m:
+            return cls(proposal, tree, ids, depths, tree.ancestor_mask())
+        assert proposal.side_tokens is not None and proposal.side_depths is not None
+        assert proposal.side_mask is not None
         among_new = torch.zeros(n + 1 + m, n + 1 + m, dtype=torch.bool, device=device)
-        among_new[: n + 1, : n + 1] = ancestors
-        if m:
-            assert proposal.side_tokens is not None and proposal.side_depths is not None
-            assert proposal.side_mask is not None
-            ids = torch.cat([ids, proposal.side_tokens.to(device)])
-            depths = torch.cat([depths, proposal.side_depths.to(device)])
-            among_new[n + 1 :] = proposal.side_mask.to(device)
+        among_new[: n + 1, : n + 1] = tree.ancestor_mask()
+        among_new[n + 1 :] = proposal.side_mask.to(device)
+        ids = torch.cat([ids, proposal.side_tokens.to(device)])
+        depths = torch.cat([depths, proposal.side_depths.to(device)])
         return cls(proposal, tree, ids, depths, among_new)
 
     @property
@@ -254,8 +254,7 @@ class StepPlan:
             probs = logits_to_probs(model.logits(hidden[: n + 1]), req.params)
             verdict = (sampling_verifier or verify_sampling)(tree, probs, req.generator)
         req.cache.compact(start, verdict.kept_indices)
-        max_depth = int(self.depths[: n + 1].max())
-        return verdict.tokens, StepResult(verdict, hidden, side_best, n, max_depth)
+        return verdict.tokens, StepResult(verdict, hidden, side_best, n, max(tree.depth_ids))
 
 
 class RowSlice(Sequence[int]):

@@ -20,8 +20,9 @@ the verifier compares row i with the tokens of i's children.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -44,6 +45,10 @@ class DraftTree:
     tokens: Tensor  # (N,) long
     parents: Tensor  # (N,) long
     draft_probs: Tensor | None = None  # (N, V) float
+    # Host copies, set by `__post_init__` from the tensors: N ints each, depth_ids N+1.
+    token_ids: list[int] = field(init=False, repr=False)
+    parent_ids: list[int] = field(init=False, repr=False)
+    depth_ids: list[int] = field(init=False, repr=False)  # depth of each forward index, root 0
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 1 or self.tokens.dtype != torch.long:
@@ -58,14 +63,18 @@ class DraftTree:
             )
         if self.parents.device != self.tokens.device:
             raise ValueError("DraftTree.tokens and DraftTree.parents are on different devices")
-        n = self.tokens.shape[0]
-        if n and bool((self.tokens < 0).any()):
+        # Host copies, read once: the checks, the masks and the verifier's walk use them (a tree
+        # is a few dozen nodes, and each small tensor op here cost as much as the whole list).
+        tokens, parents = self.tokens.tolist(), self.parents.tolist()
+        object.__setattr__(self, "token_ids", tokens)
+        object.__setattr__(self, "parent_ids", parents)
+        n = len(tokens)
+        if n and min(tokens) < 0:
             raise ValueError("DraftTree.tokens must be non-negative token ids")
-        node = torch.arange(1, n + 1, device=self.parents.device)  # (N,)
-        if n and bool(((self.parents < 0) | (self.parents >= node)).any()):
+        if any(not 0 <= p < i for i, p in enumerate(parents, start=1)):
             raise ValueError(
                 "DraftTree.parents must satisfy 0 <= parents[i-1] < i for node i "
-                f"(topological order), got {self.parents.tolist()}"
+                f"(topological order), got {parents}"
             )
         if self.draft_probs is not None:
             q = self.draft_probs
@@ -73,8 +82,12 @@ class DraftTree:
                 raise ValueError(
                     f"DraftTree.draft_probs must be a float (N={n}, V) tensor, got {tuple(q.shape)} {q.dtype}"
                 )
-            if n and bool((self.tokens >= q.shape[1]).any()):
+            if n and max(tokens) >= q.shape[1]:
                 raise ValueError(f"DraftTree.tokens has an id >= the vocabulary size {q.shape[1]}")
+        depths = [0]  # of every forward index, the root's first
+        for p in parents:
+            depths.append(depths[p] + 1)
+        object.__setattr__(self, "depth_ids", depths)
 
     # ----------------------------------------------------------------------------------------
     # Constructors
@@ -115,7 +128,7 @@ class DraftTree:
     def children(self) -> list[list[int]]:
         """`children()[i]` lists the nodes whose parent is i (i = 0..N), in increasing order."""
         out: list[list[int]] = [[] for _ in range(self.num_nodes + 1)]
-        for node, parent in enumerate(self.parents.tolist(), start=1):
+        for node, parent in enumerate(self.parent_ids, start=1):
             out[parent].append(node)
         return out
 
@@ -124,7 +137,7 @@ class DraftTree:
 
         The empty tree has one empty path: the root is its only leaf.
         """
-        parents = [0, *self.parents.tolist()]
+        parents = [0, *self.parent_ids]
         children = self.children()
         out: list[list[int]] = []
         for leaf in range(self.num_nodes + 1):
@@ -141,17 +154,12 @@ class DraftTree:
     def _ancestor_steps(self) -> Tensor:
         """(N+1, N+1) bool: [i, j] iff j is i or one of its ancestors (root included)."""
         n = self.num_nodes
-        device = self.parents.device
-        # parent of every forward index; the root is its own parent so walks stop there.
-        up = torch.cat([torch.zeros(1, dtype=torch.long, device=device), self.parents])  # (N+1,)
-        rows = torch.arange(n + 1, device=device)  # (N+1,)
-        mask = torch.eye(n + 1, dtype=torch.bool, device=device)  # (N+1, N+1)
-        cur = rows  # (N+1,) the ancestor reached so far by each index
-        # One vectorized step per tree level: climb every node at once until all reach the root.
-        while bool((cur != 0).any()):
-            cur = up[cur]
-            mask[rows, cur] = True
-        return mask
+        # Laid out on the host, a row a node (its parent's row, which precedes it, plus itself),
+        # and moved once: on a GPU each element set is a launch, on a CPU each small op ~µs.
+        mask = np.eye(n + 1, dtype=bool)  # (N+1, N+1)
+        for node, parent in enumerate(self.parent_ids, start=1):
+            mask[node, :node] = mask[parent, :node]
+        return torch.from_numpy(mask).to(self.parents.device)
 
     def ancestor_mask(self) -> Tensor:
         """Tree-attention mask among the new tokens: (N+1, N+1) bool.
@@ -164,7 +172,7 @@ class DraftTree:
 
     def depths(self) -> Tensor:
         """(N+1,) long: depth of every forward index, the root 0."""
-        return self._ancestor_steps().sum(dim=1) - 1  # (N+1,)
+        return torch.tensor(self.depth_ids, dtype=torch.long, device=self.parents.device)  # (N+1,)
 
     def graft(self, chain: Sequence[int]) -> DraftTree:
         """This tree plus the path `chain` from the root: the chain follows existing nodes while
@@ -172,7 +180,7 @@ class DraftTree:
         nodes keep their numbers and the new ones are each tried after their existing siblings.
         New nodes are point masses: rows of `draft_probs` one-hot on their tokens.
         """
-        tokens, parents = self.tokens.tolist(), self.parents.tolist()
+        tokens, parents = list(self.token_ids), list(self.parent_ids)
         children = self.children()
         at, k = 0, 0  # the node reached, the chain tokens matched
         while k < len(chain):

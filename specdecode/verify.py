@@ -83,7 +83,7 @@ def greedy_walk(tree: DraftTree, best: Sequence[int]) -> Verdict:
     """`verify_greedy` given `best[i]`, the target's greedy token after node i (N+1 ints), for
     callers that obtain the argmax without materialising every row's logits."""
     children = tree.children()
-    draft = tree.tokens.tolist()
+    draft = tree.token_ids
     accepted: list[int] = []
     node = 0
     while True:
@@ -155,7 +155,7 @@ def verify_sampling(
     device = target_probs.device
     dtype = torch.promote_types(target_probs.dtype, torch.float32)
     children = tree.children()
-    draft = tree.tokens.tolist()
+    draft = tree.token_ids
     if any(x >= vocab for x in draft):
         raise ValueError(f"a draft token id is >= the target vocabulary size {vocab}")
     probs = target_probs.to(dtype)  # (N+1, V)
@@ -231,7 +231,7 @@ def verify_typical(
     p_draft = probs[parents_d, tree.tokens.to(probs.device)]  # (N,) p of each node's token
     typical = (p_draft > threshold[parents_d]).tolist()
     log_p = torch.log(p_draft).tolist()
-    parents = [0, *tree.parents.tolist()]
+    parents = [0, *tree.parent_ids]
     # Nodes come in topological order, so one pass gives each node's path length and likelihood.
     ok = [True] + [False] * n
     depth = [0] * (n + 1)
@@ -252,6 +252,6 @@ def verify_typical(
         path.append(node)
         node = parents[node]
     path.reverse()
-    draft = tree.tokens.tolist()
+    draft = tree.token_ids
     last = int(torch.multinomial(probs[best], 1, generator=generator))
     return Verdict(path, [draft[c - 1] for c in path] + [last])
