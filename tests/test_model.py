@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specdecode.attention import tree_mask
+from specdecode.kv_cache import moved
 from specdecode.models.transformer import Transformer
 from specdecode.tree import DraftTree
 
@@ -118,6 +119,17 @@ def test_compaction_keeps_exactly_the_accepted_path(tiny_model_dir: Path) -> Non
         model(torch.tensor([kept]), torch.arange(len(kept))[None], fresh)
     torch.testing.assert_close(cache.k[:, :, :, : cache.length], fresh.k[:, :, :, : fresh.length])
     torch.testing.assert_close(cache.v[:, :, :, : cache.length], fresh.v[:, :, :, : fresh.length])
+
+
+def test_moved_sees_a_path_already_in_place() -> None:
+    """A compaction's offsets 0..M-1 (a chain accepted from its root) move nothing; others are
+    gathered, as a list or a tensor."""
+    cpu = torch.device("cpu")
+    for keep in ([], [0], [0, 1, 2], torch.tensor([0, 1]), torch.zeros(0, dtype=torch.long)):
+        assert moved(keep, cpu) is None
+    for keep in ([1], [0, 2], torch.tensor([0, 3])):
+        got = moved(keep, cpu)
+        assert got is not None and got.dtype == torch.long and got.tolist() == list(keep)
 
 
 def test_bfloat16_runs_and_stays_close(tiny_model_dir: Path) -> None:

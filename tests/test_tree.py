@@ -63,6 +63,31 @@ def test_hand_tree_structure() -> None:
     assert torch.equal(mask, expected)
     assert tree.children() == [[1, 2], [3, 4], [6], [5], [], [], []]
     assert tree.paths() == [[1, 4], [1, 3, 5], [2, 6]]
+    assert (tree.token_ids, tree.parent_ids, tree.depth_ids) == (
+        HAND_TOKENS,
+        HAND_PARENTS,
+        tree.depths().tolist(),
+    )
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_ancestor_mask_of_random_trees(seed: int) -> None:
+    """The mask laid out from the host lists: [i, j] iff walking parents up from i reaches j."""
+    g = torch.Generator().manual_seed(seed)
+    n = 1 + seed * 9
+    parents = [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n + 1)]
+    tree = DraftTree(torch.randint(0, 50, (n,), generator=g), torch.tensor(parents))
+    up = [0, *parents]
+    expected = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    for i in range(n + 1):
+        j = i
+        expected[i, j] = True
+        while j:
+            j = up[j]
+            expected[i, j] = True
+    assert torch.equal(tree.ancestor_mask(), expected)
+    assert tree.depth_ids == (expected.sum(1) - 1).tolist()
+    assert tree.parent_ids == parents
 
 
 @pytest.mark.parametrize("n", [0, 1, 5])
