@@ -592,10 +592,21 @@ def test_bench_runtime_times_int8_activations(quant_gguf: Path, capsys: pytest.C
     assert set(report.forward_ms) == set(runtime.LATENCY_WIDTHS) and all(
         ms > 0 for ms in report.forward_ms.values()
     )
-    assert report.machine is not None and report.machine.kernels.endswith("-int8")
+    m = report.machine
+    assert m is not None and m.kernels.endswith("-int8")
+    # the compute bound is the int8 dot products' rate where the build has them (not the portable one)
+    if m.kernels.startswith(("cpu-avx2", "cpu-avx512")):
+        assert m.peak_int8_ops is not None and m.peak_int8_ops > 0
+        bound = report.bounds_ms(4)
+        assert bound is not None and bound[1] == pytest.approx(
+            1000 * 4 * 2 * m.weight_params / m.peak_int8_ops
+        )
+    else:
+        assert m.peak_int8_ops is None
     runtime.print_report(report)
     out = capsys.readouterr().out
     assert "activations int8" in out and f"over a {report.context}-token context" in out
+    assert ("G int8 ops/s (the bound)" in out) == (m.peak_int8_ops is not None)
 
 
 def test_int8_activations_need_weights_in_block_formats(quant_gguf: Path) -> None:

@@ -31,13 +31,20 @@ LATENCY_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 class Machine:
     """What bounds a forward here: the bytes and parameters of the matrices it multiplies (every
     layer and the LM head), the memory's read bandwidth (bytes/s) and the kernels' peak FLOP/s
-    (their fused multiply-adds alone), with the kernels' name (their instruction set)."""
+    (their fused multiply-adds alone) and int8 ops/s (their int8 dot products alone, None where
+    they have none), with the kernels' name (their instruction set)."""
 
     kernels: str
     weight_bytes: int
     weight_params: int
     bandwidth: float
     peak_flops: float
+    peak_int8_ops: float | None = None
+
+    def peak(self, activations: str) -> float:
+        """The arithmetic rate that bounds products of `activations` (float32, or int8 where
+        the kernels multiply int8)."""
+        return self.peak_int8_ops if activations == "int8" and self.peak_int8_ops else self.peak_flops
 
 
 @dataclass(frozen=True)
@@ -75,8 +82,14 @@ def machine(llm: LLM) -> Machine | None:
     if llm.model.lm_head is None:  # a tied float head: the embedding, read transposed
         head = llm.model.head_weight_t()
         nbytes, params = nbytes + head.numel() * head.element_size(), params + head.numel()
+    probe = kernels.probe
     return Machine(
-        kernels.name, nbytes, params, kernels.probe.read_bandwidth(threads), kernels.probe.peak_flops(threads)
+        kernels.name,
+        nbytes,
+        params,
+        probe.read_bandwidth(threads),
+        probe.peak_flops(threads),
+        probe.peak_int8_ops(threads),
     )
 
 
@@ -105,7 +118,9 @@ class RuntimeReport:
         m = self.machine
         if m is None:
             return None
-        return 1000 * m.weight_bytes / m.bandwidth, 1000 * rows * 2 * m.weight_params / m.peak_flops
+        return 1000 * m.weight_bytes / m.bandwidth, 1000 * rows * 2 * m.weight_params / m.peak(
+            self.activations
+        )
 
     @property
     def ratio(self) -> float:
@@ -274,10 +289,15 @@ def print_report(report: RuntimeReport) -> None:
         print("    " + "  ".join(f"T={t}: {ms}" for t, ms in report.graph_forward_ms.items()))
     m = report.machine
     if m is not None:
-        int8 = " float32; int8 dot products have more" if report.activations == "int8" else ""
+        peak = f"peak {m.peak_flops / 1e9:.0f} GFLOP/s float32"
+        if report.activations == "int8":
+            int8 = m.peak_int8_ops
+            peak += (
+                f", {int8 / 1e9:.0f} G int8 ops/s (the bound)" if int8 else " (no int8 products: the bound)"
+            )
         print(
             f"  bounds ({m.kernels} kernels, {m.weight_bytes / 1e6:.1f} MB of {m.weight_params / 1e6:.1f}M"
-            f" weights read at {m.bandwidth / 1e9:.1f} GB/s, peak {m.peak_flops / 1e9:.0f} GFLOP/s{int8}):"
+            f" weights read at {m.bandwidth / 1e9:.1f} GB/s, {peak}):"
         )
         for t, ms in (report.graph_forward_ms or report.forward_ms).items():
             mem, comp = report.bounds_ms(t)  # type: ignore[misc]

@@ -125,6 +125,11 @@ class Probe(Protocol):
         """Bytes/s of reading memory far larger than the caches, as its products read weights."""
         ...
 
+    def peak_int8_ops(self, threads: int) -> float | None:
+        """Integer ops/s (two a multiply-add) of its int8 dot products alone, the compute bound
+        of int8 activations; None where it has none."""
+        ...
+
 
 @dataclass(frozen=True)
 class Kernels:

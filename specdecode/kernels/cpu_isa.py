@@ -118,6 +118,8 @@ def library(isa: str, optional: bool = True) -> ctypes.CDLL | None:
     lib.specdecode_peak_flops.restype = ctypes.c_double
     lib.specdecode_read_bandwidth.argtypes = [n, i]
     lib.specdecode_read_bandwidth.restype = ctypes.c_double
+    lib.specdecode_peak_int8_ops.argtypes = [n, i]
+    lib.specdecode_peak_int8_ops.restype = ctypes.c_double
     lib.specdecode_attention_prefetch.argtypes = [n]
     lib.specdecode_attention_prefetch.restype = None
     lib.specdecode_attention_prefetch(int(attention_prefetch(RowOps(isa, lib))))
@@ -214,6 +216,10 @@ class Probe:
 
     def read_bandwidth(self, threads: int) -> float:
         return float(self._lib.specdecode_read_bandwidth(threads, 512 * 2**20))
+
+    def peak_int8_ops(self, threads: int) -> float | None:
+        ops = max(self._lib.specdecode_peak_int8_ops(threads, 1_000_000) for _ in range(3))
+        return ops or None  # the portable build multiplies no int8
 
 
 class FloatTiles:

@@ -193,6 +193,10 @@ class CudaProbe:
         """FLOP/s of a 8192^3 bfloat16 product on random data."""
         return _matmul_rate()
 
+    def peak_int8_ops(self, threads: int) -> float | None:
+        """None: int8 activations are the CPU kernels' (a GPU runs bfloat16)."""
+        return None
+
 
 def _timed(fn: Callable[[], object], repeats: int = 10) -> float:
     """Median seconds of `fn()` on the GPU, by CUDA events, after two warm-ups."""

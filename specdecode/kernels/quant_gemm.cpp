@@ -2015,9 +2015,68 @@ void relayout(const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
         }
 }
 
+#if defined(__AVX2__)
+// Keeps the compiler from treating `w` as loop-invariant (it would hoist the products out of a
+// loop that repeats them, and time adds alone).
+inline void opaque(W8& w) {
+#if defined(__AVX512F__)
+    __asm__ volatile("" : "+v"(w.v));
+#else
+    __asm__ volatile("" : "+x"(w.lo), "+x"(w.hi));
+#endif
+}
+#endif
+
 }  // namespace
 
 extern "C" {
+
+// Integer operations/s (two a byte multiply-add) of the int8 dot product the decoding rows run
+// (`dot4`: 64 byte products summed into 16 int32 lanes; with VNNI one instruction, else three),
+// on `threads` threads of `iters` steps of independent sums with nothing else to wait for: the
+// compute bound of int8 activations. 0 for a build without int8 products (the portable one).
+double specdecode_peak_int8_ops(int threads, int64_t iters) {
+#if defined(__AVX2__)
+#if defined(__AVX512F__)
+    constexpr int CHAINS = 12;  // latency 5, two a cycle: 10 in flight
+#else
+    constexpr int CHAINS = 6;  // 12 of 16 ymm
+#endif
+    double seconds = 0.0;
+    int64_t sink = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    {
+        uint8_t bytes[64];
+        int8_t x4[4];
+        for (int i = 0; i < 64; ++i) bytes[i] = uint8_t(i + omp_get_thread_num());
+        for (int i = 0; i < 4; ++i) x4[i] = int8_t(i - 2);
+        W8 w = load_w8(bytes);
+        const X4 x = bcast4(x4);
+        VI acc[CHAINS];
+        for (auto& a : acc) a = zero_i();
+#pragma omp barrier
+        const double t0 = omp_get_wtime();
+        for (int64_t n = 0; n < iters; ++n) {
+            opaque(w);
+#pragma GCC unroll 12
+            for (int c = 0; c < CHAINS; ++c) acc[c] = dot4(acc[c], w, x);
+        }
+        const double t = omp_get_wtime() - t0;
+#pragma omp critical
+        seconds = t > seconds ? t : seconds;
+        uint8_t out[sizeof(VI)];
+        for (const auto& a : acc) {
+            store_i(out, a);
+            sink += out[0];
+        }
+    }
+    const double ops = 2.0 * 64 * CHAINS * double(iters) * threads;
+    return sink == -1 ? 0.0 : ops / seconds;  // `sink` keeps the sums alive
+#else
+    (void)threads, (void)iters;
+    return 0.0;
+#endif
+}
 
 // This build's layouts, of float rows and of int8 rows: weights packed by one build run on the
 // builds of the same name only; the 4-bit quants in words where the name says so.
