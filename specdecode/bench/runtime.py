@@ -118,9 +118,8 @@ class RuntimeReport:
         m = self.machine
         if m is None:
             return None
-        return 1000 * m.weight_bytes / m.bandwidth, 1000 * rows * 2 * m.weight_params / m.peak(
-            self.activations
-        )
+        compute = rows * 2 * m.weight_params / m.peak(self.activations)
+        return 1000 * m.weight_bytes / m.bandwidth, 1000 * compute
 
     @property
     def ratio(self) -> float:
