@@ -197,7 +197,7 @@ class StepPlan:
         tree = proposal.tree.to(device)
         n, m = tree.num_nodes, proposal.num_side
         ids = torch.tensor([req.root, *tree.token_ids], device=device)  # (N+1,)
-        depths = torch.tensor(tree.depth_ids, device=device)  # (N+1,)
+        depths = tree.depths()  # (N+1,)
         if not m:
             return cls(proposal, tree, ids, depths, tree.ancestor_mask())
         assert proposal.side_tokens is not None and proposal.side_depths is not None

@@ -151,16 +151,6 @@ class DraftTree:
             out.append(path[::-1])
         return out
 
-    def _ancestor_steps(self) -> Tensor:
-        """(N+1, N+1) bool: [i, j] iff j is i or one of its ancestors (root included)."""
-        n = self.num_nodes
-        # Laid out on the host, a row a node (its parent's row, which precedes it, plus itself),
-        # and moved once: on a GPU each element set is a launch, on a CPU each small op ~µs.
-        mask = np.eye(n + 1, dtype=bool)  # (N+1, N+1)
-        for node, parent in enumerate(self.parent_ids, start=1):
-            mask[node, :node] = mask[parent, :node]
-        return torch.from_numpy(mask).to(self.parents.device)
-
     def ancestor_mask(self) -> Tensor:
         """Tree-attention mask among the new tokens: (N+1, N+1) bool.
 
@@ -168,7 +158,13 @@ class DraftTree:
         is an ancestor of every node). Every index also attends to the whole KV cache; that part
         is not included here.
         """
-        return self._ancestor_steps()  # (N+1, N+1)
+        n = self.num_nodes
+        # Laid out on the host, a row a node (its parent's row, which precedes it, plus itself),
+        # and moved once: on a GPU each element set is a launch, on a CPU each small op ~µs.
+        mask = np.eye(n + 1, dtype=bool)  # (N+1, N+1)
+        for node, parent in enumerate(self.parent_ids, start=1):
+            mask[node, :node] = mask[parent, :node]
+        return torch.from_numpy(mask).to(self.parents.device)
 
     def depths(self) -> Tensor:
         """(N+1,) long: depth of every forward index, the root 0."""

@@ -2126,7 +2126,7 @@ void specdecode_pair_tiles(int on) { pair_tiles = on != 0; }
 // y[m * ldy + n] for the N rows of packed W, with the arithmetic of decoding rows (`prefill` 0:
 // each row's result the same in any batch), of prefill rows (1), of a draft's prefill rows (2:
 // int8 activations, approximate) or of a draft's decoding rows (3: int8 for Q4_0, Q4_1, Q4_K, Q6_K
-// and Q8_0 on AVX-512 and in AVX2's int8 layout, else 0's). 0 when done; 1: a format this file does not read; 2: K not a whole
+// and Q8_0 on AVX-512 and AVX2, else 0's). 0 when done; 1: a format this file does not read; 2: K not a whole
 // number of blocks; 3: an unknown `prefill`.
 int specdecode_qmm(int format, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                    float* y, int64_t ldy, int threads, int prefill) {
