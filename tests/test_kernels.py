@@ -170,7 +170,7 @@ def _run_attention(case: dict, rows: list[int], ops: RowOps) -> torch.Tensor:
     cache_k, cache_v = case["cache_k"].clone(), case["cache_v"].clone()
     sees = [case["sees"][r] for r in rows]
     row_ptr = torch.tensor([0] + [len(s) for s in sees]).cumsum(0)
-    out = torch.full((5, case["q"].shape[0], case["q"].shape[2]), float("nan"))
+    out = torch.full((case["q"].shape[1], case["q"].shape[0], case["q"].shape[2]), float("nan"))
     ops(
         case["q"], case["k"], case["v"], cache_k, cache_v, torch.tensor(rows),
         case["new_slots"][rows], row_ptr, torch.cat(sees), out,
@@ -251,6 +251,36 @@ def test_attention_rows_of_a_chain_share_their_last_span_with_their_own_bits(isa
             q[:, r : r + 1], keys, cache_v[:, sees[r]].repeat_interleave(h // hkv, 0)
         )
         torch.testing.assert_close(together[r], want[:, 0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", isa_ops())
+def test_attention_splits_its_heads_between_threads_with_the_same_bits(isa: str) -> None:
+    """How many heads of a group one task takes follows the thread count (a whole group where the
+    key/value heads are many, one head where they are few: 3 of them over 2 threads), and a row
+    alone or eight of a chain split differently again: every way gives the same bits, close to
+    SDPA."""
+    gen = torch.Generator().manual_seed(3)
+    h, hkv, d, t, prefix = 9, 3, 64, 8, 250
+    slots = torch.randperm(prefix + t, generator=gen)
+    cache_k, cache_v = (torch.randn(hkv, prefix + t, d, generator=gen) for _ in range(2))
+    q, k, v = (torch.randn(n, t, d, generator=gen) for n in (h, hkv, hkv))
+    sees = [slots[: prefix + r + 1] for r in range(t)]
+    case = dict(q=q, k=k, v=v, cache_k=cache_k, cache_v=cache_v, sees=sees, new_slots=slots[prefix:])
+    ops, threads = ops_of(isa), torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(_run_attention(case, list(range(t)), ops))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    cache_k[:, slots[prefix:]], cache_v[:, slots[prefix:]] = k, v
+    for r in (0, t - 1):
+        assert torch.equal(_run_attention(case, [r], ops)[r], outs[0][r])
+        keys, values = (c[:, sees[r]].repeat_interleave(h // hkv, 0) for c in (cache_k, cache_v))
+        want = torch.nn.functional.scaled_dot_product_attention(q[:, r : r + 1], keys, values)
+        torch.testing.assert_close(outs[0][r], want[:, 0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("isa", isa_ops())
