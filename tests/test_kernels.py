@@ -254,11 +254,10 @@ def test_attention_rows_of_a_chain_share_their_last_span_with_their_own_bits(isa
 
 
 @pytest.mark.parametrize("isa", isa_ops())
-def test_attention_splits_its_heads_between_threads_with_the_same_bits(isa: str) -> None:
-    """How many heads of a group one task takes follows the thread count (a whole group where the
-    key/value heads are many, one head where they are few: 3 of them over 2 threads), and a row
-    alone or eight of a chain split differently again: every way gives the same bits, close to
-    SDPA."""
+def test_attention_splits_its_tasks_between_threads_with_the_same_bits(isa: str) -> None:
+    """The threads take runs of tasks (key/value head, span, rows) of equal work, a different
+    split for each thread count and for a row alone or eight of a chain: every way gives the
+    same bits, close to SDPA. (SmolLM2's shape: 3 key/value heads of 3 queries.)"""
     gen = torch.Generator().manual_seed(3)
     h, hkv, d, t, prefix = 9, 3, 64, 8, 250
     slots = torch.randperm(prefix + t, generator=gen)

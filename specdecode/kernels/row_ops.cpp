@@ -215,60 +215,26 @@ inline std::vector<Span> shared_spans(const int64_t* row_ptr, const int64_t* idx
     return spans;
 }
 
-// A task's work in query-slots (a query over a slot): its queries over its span, the span's keys
-// and values read once, and a constant for the task's own overhead.
-inline int64_t task_work(const Span& sp, int64_t per) { return sp.n * (sp.count * per + 1) + 32; }
-
-// Where each of `threads` runs of the tasks (key/value head, span, chunk of `per` heads) ends, so
-// that each holds about an equal share of their work (`task_work`); `longest` gets the largest
-// run's work.
-inline std::vector<int64_t> balanced_runs(const std::vector<Span>& spans, int64_t per, int64_t chunks,
-                                          int64_t n_tasks, int threads, int64_t& longest) {
+// Where each of `threads` runs of the tasks (key/value head, span, chunk of heads) ends, so that
+// each holds about an equal share of their work: a span's queries times its slots, plus a
+// constant for a task's own overhead.
+inline std::vector<int64_t> balanced_runs(const std::vector<Span>& spans, int64_t chunks, int64_t n_tasks,
+                                          int threads) {
     const auto n_spans = int64_t(spans.size());
-    auto work = [&](int64_t task) { return task_work(spans[size_t(task / chunks % n_spans)], per); };
+    auto work = [&](int64_t task) {
+        const Span& sp = spans[size_t(task / chunks % n_spans)];
+        return sp.count * sp.n + 16;
+    };
     int64_t total = 0;
     for (int64_t task = 0; task < n_tasks; ++task) total += work(task);
     std::vector<int64_t> ends(size_t(std::max(threads, 1)), n_tasks);
     int64_t done = 0, task = 0;
-    longest = 0;
     for (int t = 0; t + 1 < threads; ++t) {
-        const int64_t goal = total * (t + 1) / threads, start = done;
+        const int64_t goal = total * (t + 1) / threads;
         while (task < n_tasks && done + work(task) / 2 < goal) done += work(task++);
         ends[size_t(t)] = task;
-        longest = std::max(longest, done - start);
     }
-    longest = std::max(longest, total - done);
     return ends;
-}
-
-// How the tasks go: `per` heads of a group a task (each key and value then read once for all of
-// them), its rows' spans, and where each thread's run of tasks ends.
-struct TaskPlan {
-    int64_t per = 0, chunks = 0;
-    std::vector<Span> spans;
-    std::vector<int64_t> ends;
-};
-
-// The plan whose longest run is shortest, among every number of heads a task that divides the
-// group (fewest tasks where two are within 1/16 of each other). A whole group a task leaves few
-// tasks where the key/value heads are few: SmolLM2's 3 over 2 threads ran 2 to 1, its attention
-// over 256 slots a third longer than the work split evenly (one row or eight). Which queries
-// share a task changes no bit: each query's arithmetic is its own.
-inline TaskPlan plan_tasks(const int64_t* row_ptr, const int64_t* idx, int64_t n_rows, int64_t Hq, int64_t Hkv,
-                           int threads, std::vector<int64_t>& part_at, int64_t& parts) {
-    const int64_t group = Hq / Hkv;
-    TaskPlan best;
-    int64_t best_longest = 0;
-    for (int64_t per = std::min<int64_t>(group, MAX_GROUP); per >= 1; --per) {
-        if (group % per) continue;
-        TaskPlan plan{per, group / per, shared_spans(row_ptr, idx, n_rows, int(MAX_QUERIES / per), Hq, part_at, parts), {}};
-        int64_t longest = 0;
-        plan.ends = balanced_runs(plan.spans, per, plan.chunks, Hkv * int64_t(plan.spans.size()) * plan.chunks,
-                                  threads, longest);
-        if (best.per == 0 || longest * 16 < best_longest * 15) best = std::move(plan), best_longest = longest;
-        if (threads <= 1) break;
-    }
-    return best;
 }
 
 template <int NC, typename T>
@@ -279,17 +245,19 @@ void attend_rows(const float* q, int64_t q_sh, int64_t q_st, const float* kn, in
                  int threads) {
     constexpr int64_t D = NC * 16, PART = D + 2;  // a span's partial result: o, m, l
     const int64_t group = Hq / Hkv;
+    int64_t per = group;  // heads a task: the whole group where it fits the task's registers
+    while (per > MAX_GROUP || group % per) --per;
+    const int64_t chunks = group / per;
     std::vector<int64_t> part_at(size_t(n_rows), -1);
     int64_t parts = 0;
-    const TaskPlan plan = plan_tasks(row_ptr, idx, n_rows, Hq, Hkv, threads, part_at, parts);
-    const int64_t per = plan.per, chunks = plan.chunks;
-    const std::vector<Span>& spans = plan.spans;
+    const std::vector<Span> spans = shared_spans(row_ptr, idx, n_rows, int(MAX_QUERIES / per), Hq, part_at, parts);
     const auto n_spans = int64_t(spans.size());
     // Each span's partial result, every one written by its task before the merge reads it (left
     // unzeroed: a 512-token prompt's are ~5 MB).
     const std::unique_ptr<float[]> partial(new float[size_t(parts * PART)]);
     std::vector<float> rotated(cos != nullptr ? size_t(n_rows * Hq * D) : 0);
-    const std::vector<int64_t>& task_ends = plan.ends;
+    const int64_t n_tasks = Hkv * n_spans * chunks;
+    const std::vector<int64_t> task_ends = balanced_runs(spans, chunks, n_tasks, threads);
 #pragma omp parallel num_threads(threads)
     {
         // The new keys and values into their slots first: rows of a tree see their ancestors'.
