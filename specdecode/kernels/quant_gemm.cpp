@@ -1073,6 +1073,27 @@ void by_rows(int64_t M, const Run& run) {
     }
 }
 
+// All M rows of x through `run<R>` in the fewest passes of at most RMAX rows, the rows shared
+// evenly among them: with 8 at most, 9 rows as 5 and 4, not as 8 and a pass that decodes every
+// weight again for one row (AVX-512, Qwen 1.5B's Q4_K MLP matrices from memory: 9 and 10 rows
+// 0.89-0.93x the time).
+template <int RMAX, int R = RMAX, class Run>
+void run_rows(int rows, const Run& run) {
+    if (rows == R) {
+        run.template operator()<R>();
+    } else if constexpr (R > 1) {
+        run_rows<RMAX, R - 1>(rows, run);
+    }
+}
+template <int RMAX, class Run>
+void by_passes(int64_t M, const Run& run) {
+    for (; M > 0;) {
+        const int64_t passes = (M + RMAX - 1) / RMAX, rows = (M + passes - 1) / passes;
+        run_rows<RMAX>(int(rows), run);
+        M -= rows;
+    }
+}
+
 template <class F>
 void prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t ldy,
                      int threads) {
@@ -1336,12 +1357,6 @@ void int8_prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w
 // the portable build take the float decoding rows.
 template <class F>
 constexpr bool INT8_WORDS = F::words;  // Q4_0, Q4_1, Q4_K in words; AVX2's int8 layout, Q6_K too
-
-#if defined(__AVX512F__)
-constexpr int IDR = 8;  // int8 decoding rows at a time (their sums in registers: 32 zmm, 16 ymm)
-#else
-constexpr int IDR = 4;
-#endif
 
 #if defined(__AVX2__)
 // 16 int32 lanes from two registers of 8 (outputs 0-7, 8-15).
@@ -1763,6 +1778,21 @@ template <class F>
 constexpr bool INT8_DECODES = (INT8_WORDS<F> && (F::bits == 4 || INT8_WORDS6)) || (Q6<F> && !F::words) || Q8<F>;
 template <class F>
 constexpr int64_t X8 = INT8_WORDS<F> ? 1 : Q6<F> ? (Q6_PAIRS ? 1 : 2) : Q8<F> ? X8Q8 : 1;
+// Int8 decoding rows a pass of a unit takes (their sums in registers: 32 zmm, 16 ymm). On AVX2 a
+// row's sums take two ymm (with VNNI; without, its int16 pair sums two more, the int32 ones live
+// only at a group's end), so words take more than four: five to eight rows of Qwen 1.5B's Q4_K
+// and Q6_K MLP matrices from memory took 0.77-0.89x the time of a pass of four and a pass of the
+// rest, which decodes every quant again (2 threads, Zen 5, in-process A/B; the build without VNNI,
+// held to six, five and six 0.82-0.95x), Q4_0/Q4_1's five and six 0.93x (seven and eight spill:
+// 1.45x). Q8_0's take four (five or more spill: 1.05-1.15x).
+template <class F>
+constexpr int IDR =
+#if defined(__AVX512F__)
+    8;
+#else
+    Q8<F> ? 4 : !VNNI || F::weights == 32 ? 6 : 8;
+#endif
+
 template <class F>
 void int8_x(const float* x, int64_t M, int64_t K, int8_t* xq, float* d) {
     if constexpr (INT8_WORDS<F>) {
@@ -1829,7 +1859,7 @@ void int8_decoding_product(const float* x, int64_t M, int64_t K, const uint8_t* 
             const int64_t n0 = u * UNIT;
             const int valid = int(N - n0 < UNIT ? N - n0 : UNIT);
             int64_t r0 = 0;
-            by_rows<IDR>(M, [&]<int R>() {
+            by_passes<IDR<F>>(M, [&]<int R>() {
                 int8_unit_rows<F, R>(xq.data() + r0 * X8<F> * K, xd.data() + r0 * (K / 32), xs.data() + r0 * (K / 16), K,
                                      w + u * unit_bytes, y + r0 * ldy + n0, ldy, valid);
                 r0 += R;
