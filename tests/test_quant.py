@@ -244,7 +244,10 @@ def test_builds_without_vnni_give_the_same_int8_sums(isa: str, flag: str, fmt: s
     takes Q8_0's quants from three rows on as unsigned q + 128 with -128 sum(x) added back); where
     it has AVX-VNNI the AVX2 build does with its 256-bit `vpdpbusd`. Built without them (a CPU that
     lacks them), with `vpmaddubsw` pairs added in int16 and shifts and masks: the same integer
-    sums, so the same bits."""
+    sums, so the same bits. Prompt rows take the decoding rows up to a number of rows that depends
+    on the build and the format (`PROMPT_AS_DECODING`), the prompt rows' own kernel past it: 70
+    rows take that kernel in some builds and formats and the decoding rows in others (AVX2 with
+    VNNI: always the decoding rows), so the two kernels are held to the same bits here too."""
     vnni = quant_kernel(isa)
     if vnni is None or flag not in build.cpu_flags():
         pytest.skip(f"needs a CPU that runs the {isa} build and has {flag}")
@@ -252,9 +255,10 @@ def test_builds_without_vnni_give_the_same_int8_sums(isa: str, flag: str, fmt: s
     assert lib is not None
     plain = QuantCPU(isa, lib).approximate()
     weight = vnni.approximate().pack(random_weight(fmt, 40, 768, seed=11))
-    x = torch.randn(9, 768, generator=torch.Generator().manual_seed(12))
+    x = torch.randn(70, 768, generator=torch.Generator().manual_seed(12))
     want = vnni.approximate().matmul(x, weight, prefill=True)
     assert torch.equal(plain.matmul(x, weight, prefill=True), want)
+    assert torch.equal(plain.matmul(x[:9], weight, prefill=True), want[:9])
     for m in (1, 2, 3, 9):  # decoding rows (Q4_0's: int8 from its words)
         assert torch.equal(plain.matmul(x[:m], weight), vnni.approximate().matmul(x[:m], weight)), m
 

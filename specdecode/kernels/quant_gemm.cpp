@@ -1870,6 +1870,39 @@ void int8_decoding_product(const float* x, int64_t M, int64_t K, const uint8_t* 
     }
 }
 
+// Up to how many prompt rows in int8 take the decoding rows above instead of `int8_prefill_product`:
+// the same bits (the same integer sums, and the floats after them in the same order), in less
+// time where a unit's quants decoded once per pass of rows cost less than laying the unit out in
+// bytes for `int8_rows`. From in-process A/B on Zen 5 (2 threads, Qwen 1.5B's Q4_K and Q6_K MLP
+// matrices and SmolLM2's Q4_1 MLP and Q8_0 head from memory, the decoding rows' time over the
+// prefill rows'): AVX2 with VNNI 0.28-0.92x at every M from 4 to 512; without, Q4_K/Q4_1 0.44-0.89x
+// up to 16 rows (~1.0x at 32, 1.2-1.35x at 64-256), Q6_K 0.35-0.86x to 256, Q8_0 0.62-0.97x to
+// 128; AVX-512 with VNNI, Q4_K/Q4_1 0.42-0.89x up to 32 rows (1.06-1.27x from 48), Q6_K 0.61-0.84x
+// up to 12 (1.0-1.5x from 16), Q8_0 0.56-0.93x to 256; without, 0.66-1.02x up to 8 (Q4_K/Q4_1),
+// 0.94-0.99x at 4 (Q6_K/Q8_0), slower past them.
+#if defined(__AVX512F__)
+template <class F>
+constexpr int64_t PROMPT_AS_DECODING = VNNI ? (F::bits == 8 ? 1 << 30 : F::bits == 6 ? 12 : 32) : F::bits == 4 ? 8 : 4;
+#elif defined(__AVX2__)
+template <class F>
+constexpr int64_t PROMPT_AS_DECODING = VNNI || F::bits == 6 ? 1 << 30 : F::bits == 8 ? 128 : 16;
+#else
+template <class F>
+constexpr int64_t PROMPT_AS_DECODING = 0;
+#endif
+
+template <class F>
+void int8_prompt_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t ldy,
+                         int threads) {
+    if constexpr (INT8_DECODES<F>) {
+        if (M <= PROMPT_AS_DECODING<F>) {
+            int8_decoding_product<F>(x, M, K, w, N, y, ldy, threads);
+            return;
+        }
+    }
+    int8_prefill_product<F>(x, M, K, w, N, y, ldy, threads);
+}
+
 // Up to how many rows a pass decodes both tiles of a unit where FR1 > FR (see FR1): Q8_0's quants
 // take the fewest operations to decode, so that x's broadcasts count (4-12% faster at 1-3 rows
 // on Zen 4), and Q4_0 and Q4_1 in words at one row (SmolLM2's forward of one token ~9% faster).
@@ -2005,7 +2038,7 @@ struct Layout {
 
 template <class F>
 constexpr Layout layout() {
-    return {F::weights, F::packed, pack<F>, product<F>, prefill_product<F>, int8_prefill_product<F>,
+    return {F::weights, F::packed, pack<F>, product<F>, prefill_product<F>, int8_prompt_product<F>,
             int8_decoding_product<F>, rows<F>};
 }
 
