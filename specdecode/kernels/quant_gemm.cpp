@@ -1836,6 +1836,8 @@ constexpr bool INT8_DECODES = false;
 template <class F>
 constexpr int64_t X8 = 1;
 template <class F>
+constexpr int IDR = 1;
+template <class F>
 inline void int8_x(const float*, int64_t, int64_t, int8_t*, float*) {}
 template <class F, int R>
 void int8_unit_rows(const int8_t*, const float*, const float*, int64_t, const uint8_t*, float*, int64_t, int) {}
