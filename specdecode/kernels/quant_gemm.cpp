@@ -1884,7 +1884,8 @@ void int8_decoding_product(const float* x, int64_t M, int64_t K, const uint8_t* 
 // 0.94-0.99x at 4 (Q6_K/Q8_0), slower past them.
 #if defined(__AVX512F__)
 template <class F>
-constexpr int64_t PROMPT_AS_DECODING = VNNI ? (F::bits == 8 ? 1 << 30 : F::bits == 6 ? 12 : 32) : F::bits == 4 ? 8 : 4;
+constexpr int64_t PROMPT_AS_DECODING =
+    VNNI ? (F::bits == 8 ? 1 << 30 : F::bits == 6 ? 12 : 32) : F::bits == 4 ? 8 : 4;
 #elif defined(__AVX2__)
 template <class F>
 constexpr int64_t PROMPT_AS_DECODING = VNNI || F::bits == 6 ? 1 << 30 : F::bits == 8 ? 128 : 16;
