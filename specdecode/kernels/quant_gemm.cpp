@@ -1063,20 +1063,7 @@ __attribute__((noinline)) void prefill_rows8(const float* x, int64_t K, const fl
 }
 #endif
 
-// All M rows of x, RMAX at a time, then the rest together, through `run<R>` (R chosen at compile
-// time).
-template <int RMAX, int R = RMAX, class Run>
-void by_rows(int64_t M, const Run& run) {
-    for (; M >= R; M -= R) run.template operator()<R>();
-    if constexpr (R > 1) {
-        if (M > 0) by_rows<RMAX, R - 1>(M, run);
-    }
-}
-
-// All M rows of x through `run<R>` in the fewest passes of at most RMAX rows, the rows shared
-// evenly among them: with 8 at most, 9 rows as 5 and 4, not as 8 and a pass that decodes every
-// weight again for one row (AVX-512, Qwen 1.5B's Q4_K MLP matrices from memory: 9 and 10 rows
-// 0.89-0.93x the time).
+// `run<R>` with R = rows (1 .. RMAX), chosen at compile time.
 template <int RMAX, int R = RMAX, class Run>
 void run_rows(int rows, const Run& run) {
     if (rows == R) {
@@ -1085,9 +1072,21 @@ void run_rows(int rows, const Run& run) {
         run_rows<RMAX, R - 1>(rows, run);
     }
 }
+
+// All M rows of x through `run<R>`, RMAX at a time, then the rest together.
+template <int RMAX, class Run>
+void by_rows(int64_t M, const Run& run) {
+    for (; M >= RMAX; M -= RMAX) run.template operator()<RMAX>();
+    if (M > 0) run_rows<RMAX>(int(M), run);
+}
+
+// All M rows of x through `run<R>` in the fewest passes of at most RMAX rows, the rows shared
+// evenly among them: with 8 at most, 9 rows as 5 and 4, not as 8 and a pass that decodes every
+// weight again for one row (AVX-512, Qwen 1.5B's Q4_K MLP matrices from memory: 9 and 10 rows
+// 0.89-0.93x the time).
 template <int RMAX, class Run>
 void by_passes(int64_t M, const Run& run) {
-    for (; M > 0;) {
+    while (M > 0) {
         const int64_t passes = (M + RMAX - 1) / RMAX, rows = (M + passes - 1) / passes;
         run_rows<RMAX>(int(rows), run);
         M -= rows;
