@@ -673,6 +673,54 @@ def test_one_slow_proposal_does_not_keep_a_request_plain(setup, monkeypatch, pro
         assert after == []
 
 
+class TwoWays(Drafter):
+    """Drafts the next tokens of a known answer (always accepted) in two ways that take turns
+    step by step: "cheap" at once, "dear" after 40 ms a token (more than a verified token saves
+    under FLAT_CURVE's 30 ms forward)."""
+
+    max_nodes = 3
+
+    def __init__(self, answer: list[int], prompt_len: int) -> None:
+        self.answer, self.prompt_len = answer, prompt_len
+        self.way = "dear"
+        self.proposed: dict[str, int] = {"cheap": 0, "dear": 0}
+
+    def source(self, req: Request) -> str:
+        self.way = "cheap" if self.way == "dear" else "dear"
+        return self.way
+
+    def propose(self, req: Request, budget: int | None = None) -> Proposal:
+        import time
+
+        k = min(budget or self.max_nodes, self.max_nodes)
+        self.proposed[self.way] += 1
+        if self.way == "dear":
+            time.sleep(0.04 * k)
+        done = len(req.all_ids) - self.prompt_len
+        return Proposal(DraftTree.chain(self.answer[done : done + k]))
+
+
+def test_the_policy_costs_each_way_of_drafting_apart(setup) -> None:
+    """A drafter with two ways of drafting (a lookup branch's copy from the text and its head's
+    chain) has a cost for each (`Drafter.source`), so the policy drafts the cheap way's steps
+    and keeps the dear way's plain once it is measured. One running cost for both averages them
+    and treats both ways alike (here both plain: the average costs more than a token saves)."""
+    llm, _ = setup
+    prompt = [5, 9, 13, 17, 21] * 4
+    params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
+    answer = alone(llm, prompt, params, None)
+    engine = llm.new_engine(EngineConfig(latency_curve=FLAT_CURVE))
+    drafter = TwoWays(answer, len(prompt))
+    seq = engine.add_request(EngineRequest("a", prompt, params, None), drafter)
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.req.output_ids == answer
+    assert drafter.proposed["dear"] <= 3 < 10 <= drafter.proposed["cheap"]
+    assert seq.draft_costs["dear"] >= 0.03 > 0.005 >= seq.draft_costs["cheap"]
+    costs = engine.stats.draft_cost
+    assert costs["TwoWays", "dear"] >= 0.03 > 0.005 >= costs["TwoWays", "cheap"]
+
+
 @pytest.mark.real
 def test_smollm2_batch_equals_solo() -> None:
     llm = LLM(model="smollm2-135m", progress=False)

@@ -228,7 +228,8 @@ def test_cli_flags_reach_the_trained_methods() -> None:
 def test_a_budget_below_the_tree_takes_the_lookup_chain_first(target: Transformer) -> None:
     """Granted fewer tokens than its tree holds (a chain, see `Drafter.max_chain`), the branch
     proposes the lookup's continuation where the text has one, without its drafter's forwards,
-    else its drafter's chain."""
+    else its drafter's chain; `source` says which before the budget is chosen (the policy costs
+    each way on its own)."""
     asked: list[int | None] = []
 
     class Counting(EagleDrafter):
@@ -243,6 +244,7 @@ def test_a_budget_below_the_tree_takes_the_lookup_chain_first(target: Transforme
         req = Request(target, prompt, greedy(8), [], branch.max_nodes)
         branch.begin(req, prefill(target, req))
         asked.clear()
+        assert branch.source(req) == ("lookup" if lookup is not None else "inner") and asked == []
         tree = branch.propose(req, 2)
         assert tree.tree.parents.tolist() == [0, 1]
         if lookup is not None:

@@ -49,6 +49,12 @@ class Drafter(ABC):
         proposal (see `max_chain`)."""
         return budget is not None and budget < self.max_nodes
 
+    def source(self, req: Request) -> str:
+        """Which of its ways of drafting a budgeted step of `req` would take now, for a drafter
+        whose ways cost differently (a lookup branch: a copy from the text, or its head's chain):
+        the load policy keeps a drafting cost for each. "" for a drafter of one way."""
+        return ""
+
     def begin(self, req: Request, prompt_hidden: torch.Tensor) -> None:  # noqa: B027
         """Called once after prefill; `prompt_hidden` (P-1, C) holds the target's rows of prompt
         positions 0 .. P-2 (see the module's prefill contract)."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
@@ -147,39 +148,46 @@ class EngineStats:
     accepted_by_position: dict[str, list[int]] = field(default_factory=dict)
     proposed_by_position: dict[str, list[int]] = field(default_factory=dict)  # steps offering position i
     reached_by_position: dict[str, list[int]] = field(default_factory=dict)  # ... with all before accepted
-    # Each method's drafting seconds per draft token, over its requests: the lower median of its
-    # last COST_SAMPLES proposals' figures (`record_cost`), so that one slow `propose` (a pause, a
+    # The same two counts for each way a method drafts (`Drafter.source`; "" for a drafter of one
+    # way): what the load policy's acceptance estimates read.
+    accepted_by_way: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    reached_by_way: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    # Each method's drafting seconds per draft token, over its requests, for each of its ways of
+    # drafting (`Drafter.source`; "" for a drafter of one way): the lower median of its last
+    # COST_SAMPLES proposals' figures (`record_cost`), so that one slow `propose` (a pause, a
     # neighbour on the machine) cannot make the method look costly to every request after it.
-    draft_cost: dict[str, float] = field(default_factory=dict)
-    draft_cost_samples: dict[str, list[float]] = field(default_factory=dict)
+    draft_cost: dict[tuple[str, str], float] = field(default_factory=dict)
+    draft_cost_samples: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     # Seconds from a request's arrival to its first token, and per output token after the first
     # (each finished request's decode time / its tokens after the first).
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     time_per_output_token: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))
 
-    def record_cost(self, method: str, seconds_per_token: float) -> None:
-        """One proposal's drafting seconds per draft token, into its method's estimate."""
-        samples = self.draft_cost_samples.setdefault(method, [])
+    def record_cost(self, method: str, source: str, seconds_per_token: float) -> None:
+        """One proposal's drafting seconds per draft token, into its method's estimate for the
+        way it drafted (`source`)."""
+        samples = self.draft_cost_samples.setdefault((method, source), [])
         samples.append(seconds_per_token)
         del samples[:-COST_SAMPLES]
-        self.draft_cost[method] = sorted(samples)[(len(samples) - 1) // 2]
+        self.draft_cost[method, source] = sorted(samples)[(len(samples) - 1) // 2]
 
-    def record_draft(self, method: str, result: StepResult, num_accepted: int) -> None:
-        """Count one speculative step of a request using `method`."""
+    def record_draft(self, method: str, source: str, result: StepResult, num_accepted: int) -> None:
+        """Count one speculative step of a request using `method`, drafted its way `source`."""
         self.drafts_proposed[method] = self.drafts_proposed.get(method, 0) + result.num_draft
         self.drafts_accepted[method] = self.drafts_accepted.get(method, 0) + num_accepted
-        proposed = self.proposed_by_position.setdefault(method, [])
-        accepted = self.accepted_by_position.setdefault(method, [])
-        reached = self.reached_by_position.setdefault(method, [])
-        grow = result.max_depth - len(proposed)
-        if grow > 0:
-            proposed += [0] * grow
-            accepted += [0] * grow
-            reached += [0] * grow
-        for d in range(result.max_depth):
-            proposed[d] += 1
-            accepted[d] += d < num_accepted
-            reached[d] += d <= num_accepted
+        _count(self.proposed_by_position.setdefault(method, []), result.max_depth, lambda d: True)
+        _count(self.accepted_by_position.setdefault(method, []), result.max_depth, lambda d: d < num_accepted)
+        _count(self.reached_by_position.setdefault(method, []), result.max_depth, lambda d: d <= num_accepted)
+        way = method, source
+        _count(self.accepted_by_way.setdefault(way, []), result.max_depth, lambda d: d < num_accepted)
+        _count(self.reached_by_way.setdefault(way, []), result.max_depth, lambda d: d <= num_accepted)
+
+
+def _count(counts: list[int], depth: int, hit: Callable[[int], bool]) -> None:
+    """Add one to counts[d] for each d < depth where hit(d) (counts grown to `depth`)."""
+    counts += [0] * (depth - len(counts))
+    for d in range(depth):
+        counts[d] += hit(d)
 
 
 def _fixed_budget(seq: Sequence) -> int | None:
@@ -420,8 +428,9 @@ class LLMEngine:
                     # prompt (a draft model's prefill: 13 ms a token instead of 7 for the Qwen
                     # 0.5B). The next figure is taken whole: averaged in from zero, a draft model's
                     # forwards looked cheap for its request's first ten steps.
-                    seq.draft_cost += (EMA if seq.draft_cost > 0 else 1.0) * (spent / k - seq.draft_cost)
-                    self.stats.record_cost(seq.method, spent / k)
+                    cost = seq.draft_costs.get(seq.source, 0.0)
+                    seq.draft_costs[seq.source] = cost + (EMA if cost > 0 else 1.0) * (spent / k - cost)
+                    self.stats.record_cost(seq.method, seq.source, spent / k)
                 seq.idle_steps = 0
             elif seq.drafter is not None:
                 # Not measured this step: let the estimate drift to its method's, so that one slow
@@ -430,9 +439,9 @@ class LLMEngine:
                 # look free again after a few plain steps: they drafted one step in four at a loss.)
                 # A request that never drafted has no figure of its own (0: its method's is used);
                 # drifting it up from zero made a costly drafter look nearly free for a while.
-                if seq.draft_cost > 0:
-                    method = self.stats.draft_cost.get(seq.method, seq.draft_cost)
-                    seq.draft_cost += EMA * (method - seq.draft_cost)
+                for source, cost in seq.draft_costs.items():
+                    method = self.stats.draft_cost.get((seq.method, source), cost)
+                    seq.draft_costs[source] = cost + EMA * (method - cost)
                 seq.idle_steps += 1
             plan = StepPlan.prepare(req, proposal, self.device)
             if not self.scheduler.make_room(seq, plan.length):
@@ -486,16 +495,20 @@ class LLMEngine:
         for seq in [s for s, k in zip(decoding, fixed, strict=True) if k is None]:
             assert seq.drafter is not None
             depth = min(seq.max_step - 1, seq.drafter.max_chain)  # a tree drafter's chain, budgeted
-            stats = seq.req.stats
+            # What a chain is worth and costs depends on the way it is drafted (a lookup branch's
+            # copy from the text, or its head's guess): each way has its counts and its cost.
+            seq.source = seq.drafter.source(seq.req)
+            way = seq.method, seq.source
+            own = seq.ways.get(seq.source) or SpecStats()
             rates = accept_rates(
-                stats.reached_by_position,
-                stats.accepted_by_position,
-                self.stats.reached_by_position.get(seq.method, []),
-                self.stats.accepted_by_position.get(seq.method, []),
+                own.reached_by_position,
+                own.accepted_by_position,
+                self.stats.reached_by_way.get(way, []),
+                self.stats.accepted_by_way.get(way, []),
                 depth,
                 FORGET**seq.idle_steps,
             )
-            cost = seq.draft_cost if seq.draft_cost > 0 else self.stats.draft_cost.get(seq.method, 0.0)
+            cost = seq.draft_costs.get(seq.source) or self.stats.draft_cost.get(way, 0.0)
             candidates.append(Candidate(depth, rates, cost))
         chosen = iter(self.policy.budgets(candidates, base_tokens, rows) if candidates else [])
         out = [next(chosen) if k is None else k for k in fixed]
@@ -566,7 +579,10 @@ class LLMEngine:
             finished = req.finish_reason is not None
             if result is not None:
                 accepted = min(result.verdict.num_draft_accepted, len(tokens))
-                self.stats.record_draft(seq.method, result, accepted)
+                self.stats.record_draft(seq.method, seq.source, result, accepted)
+                seq.ways.setdefault(seq.source, SpecStats()).record_step(
+                    result.max_depth, result.num_draft, accepted, len(tokens)
+                )
                 if not finished:
                     seq.drafter.observe(req, result)  # type: ignore[union-attr]
             elif seq.drafter is not None and not finished and tokens:

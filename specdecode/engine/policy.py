@@ -15,7 +15,10 @@ The policy maximises the batch's expected tokens per second under two measured m
   `SpeculationPolicy.overhead_at`), and each request's drafting
   cost per draft token (a running average of its drafter's `propose` time: nearly zero for prompt
   lookup, a draft model's forwards for draft_model; before it has one, its method's: the lower
-  median of the method's last COST_SAMPLES proposals, which one slow proposal does not move).
+  median of the method's last COST_SAMPLES proposals, which one slow proposal does not move),
+  kept apart for each way a drafter drafts (`Drafter.source`: a trained head's lookup branch
+  copies from the text for next to nothing, where the head's chain costs a head forward a token)
+  and taken for the way this step's proposal will take.
 - gain: a request's d-th draft token adds `p_d` expected tokens, the chance that its draft's
   first d tokens are accepted: a product of per-depth conditional rates (the request's own
   counts, shrunk towards its method's engine-wide rates, which start from an optimistic 0.8),

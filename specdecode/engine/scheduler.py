@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from specdecode.drafters.base import Drafter
 from specdecode.engine.block_pool import BlockPool
 from specdecode.engine.paged_cache import PagedCache
+from specdecode.outputs import SpecStats
 from specdecode.request import Request
 
 
@@ -38,7 +39,12 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     num_cached_prompt_tokens: int = 0  # prompt tokens whose KV came from reused blocks
     started: bool = False  # the drafter has been told the prompt is cached (`begin`)
-    draft_cost: float = 0.0  # running average of drafting seconds per draft token
+    # Running averages of drafting seconds per draft token and its drafting steps' counts, by
+    # the drafter's way of drafting (`Drafter.source`), and the way this step's proposal takes
+    # (set when budgets are chosen).
+    draft_costs: dict[str, float] = field(default_factory=dict)
+    ways: dict[str, SpecStats] = field(default_factory=dict)
+    source: str = ""
     idle_steps: int = 0  # decoding steps since the policy last let it draft
     proposals: int = 0  # drafts its drafter was asked for
     return_hidden: bool = False  # return every decided position's hidden state (`EngineRequest`)
