@@ -12,6 +12,8 @@ prompts decode together (in-flight batching up to `max_num_seqs`); one prompt is
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -110,13 +112,14 @@ class LLM:
             speculative=self.speculative,
             kv_cache_dtype=kv_cache_dtype,
         )
-        path = resolve_model(model, progress=progress)
-        self.tokenizer = Tokenizer.from_dir(path)
-        self.model = load_target(path, dtype, resolve_device(device), quantization, activations)
-        self.drafters = DrafterFactory(self.model, self.tokenizer, model, progress)
-        if self.speculative is not None:
-            self.drafters.build(self.speculative)  # load a draft model or heads now: fail early
-        self.engine = self.new_engine(config)
+        with collector_paused():
+            path = resolve_model(model, progress=progress)
+            self.tokenizer = Tokenizer.from_dir(path)
+            self.model = load_target(path, dtype, resolve_device(device), quantization, activations)
+            self.drafters = DrafterFactory(self.model, self.tokenizer, model, progress)
+            if self.speculative is not None:
+                self.drafters.build(self.speculative)  # load a draft model or heads now: fail early
+            self.engine = self.new_engine(config)
         self._ids = itertools.count()
         self._pending: dict[str, _Pending] = {}
 
@@ -290,6 +293,22 @@ class LLM:
             timing=req.timing,
             logprobs=req.logprobs,
         )
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while a model loads, as it was after. Loading makes
+    ~300k long-lived objects (SmolLM2's tokenizer, the model's modules), and the collections that
+    their allocations set off scanned them again and again: a quarter of `LLM(...)`'s time
+    (SmolLM2 on a 2-core Xeon: 4.1-4.3 s, 3.1 s with the collector paused). Nothing of the load
+    is lost to it: what loading leaves unreachable in cycles is collected later."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _per_prompt(name: str, value: object, kind: type | tuple[type, ...], n: int) -> list:

@@ -482,3 +482,34 @@ def test_real_second_resolve_is_fast() -> None:
         30,
         True,
     )
+
+
+def test_the_collector_is_paused_while_a_model_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LLM(...)` loads with Python's cyclic garbage collector off (its collections rescanned the
+    load's long-lived objects again and again: a quarter of SmolLM2's load) and leaves it as it
+    found it: on, off, or on after a load that failed."""
+    import gc
+
+    from specdecode import llm as llm_module
+
+    seen: list[bool] = []
+    load = llm_module.load_target
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append(gc.isenabled())
+        return load(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(llm_module, "load_target", spy)
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
+    assert gc.isenabled()
+    llm_module.LLM(str(tiny.path), progress=False)
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        llm_module.LLM(str(tiny.path), progress=False)
+        assert seen == [False, False] and not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(SpecDecodeError):
+        llm_module.LLM(str(tmp_path / "missing.gguf"), progress=False)
+    assert gc.isenabled()

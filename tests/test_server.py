@@ -435,6 +435,22 @@ def test_disconnects_abort_their_requests(llm: LLM) -> None:
         async_engine.shutdown()
 
 
+def test_serve_freezes_what_was_loaded(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve` moves what is alive when it starts (the model, tokenizer and engine, which live as
+    long as the server) out of the cyclic collector's scans before it takes requests."""
+    import gc
+
+    from specdecode.serving import server
+
+    frozen: list[int] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: frozen.append(gc.get_freeze_count()))
+    try:
+        server.serve(llm, EngineConfig())
+    finally:
+        gc.unfreeze()
+    assert len(frozen) == 1 and frozen[0] > 10_000
+
+
 def test_serve_command_refuses_bad_settings_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
     from specdecode.cli import main
 
