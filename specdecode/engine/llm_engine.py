@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
@@ -148,10 +147,9 @@ class EngineStats:
     accepted_by_position: dict[str, list[int]] = field(default_factory=dict)
     proposed_by_position: dict[str, list[int]] = field(default_factory=dict)  # steps offering position i
     reached_by_position: dict[str, list[int]] = field(default_factory=dict)  # ... with all before accepted
-    # The same two counts for each way a method drafts (`Drafter.source`; "" for a drafter of one
+    # The same counts for each way a method drafts (`Drafter.source`; "" for a drafter of one
     # way): what the load policy's acceptance estimates read.
-    accepted_by_way: dict[tuple[str, str], list[int]] = field(default_factory=dict)
-    reached_by_way: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    ways: dict[tuple[str, str], SpecStats] = field(default_factory=dict)
     # Each method's drafting seconds per draft token, over its requests, for each of its ways of
     # drafting (`Drafter.source`; "" for a drafter of one way): the lower median of its last
     # COST_SAMPLES proposals' figures (`record_cost`), so that one slow `propose` (a pause, a
@@ -171,23 +169,22 @@ class EngineStats:
         del samples[:-COST_SAMPLES]
         self.draft_cost[method, source] = sorted(samples)[(len(samples) - 1) // 2]
 
-    def record_draft(self, method: str, source: str, result: StepResult, num_accepted: int) -> None:
-        """Count one speculative step of a request using `method`, drafted its way `source`."""
+    def record_draft(self, method: str, result: StepResult, num_accepted: int) -> None:
+        """Count one speculative step of a request using `method`."""
         self.drafts_proposed[method] = self.drafts_proposed.get(method, 0) + result.num_draft
         self.drafts_accepted[method] = self.drafts_accepted.get(method, 0) + num_accepted
-        _count(self.proposed_by_position.setdefault(method, []), result.max_depth, lambda d: True)
-        _count(self.accepted_by_position.setdefault(method, []), result.max_depth, lambda d: d < num_accepted)
-        _count(self.reached_by_position.setdefault(method, []), result.max_depth, lambda d: d <= num_accepted)
-        way = method, source
-        _count(self.accepted_by_way.setdefault(way, []), result.max_depth, lambda d: d < num_accepted)
-        _count(self.reached_by_way.setdefault(way, []), result.max_depth, lambda d: d <= num_accepted)
-
-
-def _count(counts: list[int], depth: int, hit: Callable[[int], bool]) -> None:
-    """Add one to counts[d] for each d < depth where hit(d) (counts grown to `depth`)."""
-    counts += [0] * (depth - len(counts))
-    for d in range(depth):
-        counts[d] += hit(d)
+        proposed = self.proposed_by_position.setdefault(method, [])
+        accepted = self.accepted_by_position.setdefault(method, [])
+        reached = self.reached_by_position.setdefault(method, [])
+        grow = result.max_depth - len(proposed)
+        if grow > 0:
+            proposed += [0] * grow
+            accepted += [0] * grow
+            reached += [0] * grow
+        for d in range(result.max_depth):
+            proposed[d] += 1
+            accepted[d] += d < num_accepted
+            reached[d] += d <= num_accepted
 
 
 def _fixed_budget(seq: Sequence) -> int | None:
@@ -499,12 +496,12 @@ class LLMEngine:
             # copy from the text, or its head's guess): each way has its counts and its cost.
             seq.source = seq.drafter.source(seq.req)
             way = seq.method, seq.source
-            own = seq.ways.get(seq.source) or SpecStats()
+            own, method = seq.ways.get(seq.source) or SpecStats(), self.stats.ways.get(way) or SpecStats()
             rates = accept_rates(
                 own.reached_by_position,
                 own.accepted_by_position,
-                self.stats.reached_by_way.get(way, []),
-                self.stats.accepted_by_way.get(way, []),
+                method.reached_by_position,
+                method.accepted_by_position,
                 depth,
                 FORGET**seq.idle_steps,
             )
@@ -579,10 +576,10 @@ class LLMEngine:
             finished = req.finish_reason is not None
             if result is not None:
                 accepted = min(result.verdict.num_draft_accepted, len(tokens))
-                self.stats.record_draft(seq.method, seq.source, result, accepted)
-                seq.ways.setdefault(seq.source, SpecStats()).record_step(
-                    result.max_depth, result.num_draft, accepted, len(tokens)
-                )
+                self.stats.record_draft(seq.method, result, accepted)
+                way = self.stats.ways.setdefault((seq.method, seq.source), SpecStats())
+                for counts in (seq.ways.setdefault(seq.source, SpecStats()), way):
+                    counts.record_step(result.max_depth, result.num_draft, accepted, len(tokens))
                 if not finished:
                     seq.drafter.observe(req, result)  # type: ignore[union-attr]
             elif seq.drafter is not None and not finished and tokens:
