@@ -1261,8 +1261,8 @@ inline void group_dots(const uint8_t* const (&t)[2], const int8_t* const (&x4)[R
     }
 }
 
-// R rows of int8 x (xq (R, K), scales xd (R, K/32), float half sums xs (R, K/16)) over a unit
-// decoded by `bytes_unit`. L: steps whose int16 pair sums fit together (8 for 4-bit quants); sgn:
+// R rows of int8 x (xq (R, K), scales xd (R, K/32), float half sums xs (R, K/16), or where
+// `uniform` each group's two added (R, K/32)) over a unit decoded by `bytes_unit`. L: steps whose int16 pair sums fit together (8 for 4-bit quants); sgn:
 // signed quants (Q8_0).
 template <int R, bool uniform, int L, bool sgn>
 __attribute__((noinline)) void int8_rows(const int8_t* xq, const float* xd, const float* xs, int64_t K,
@@ -1285,8 +1285,14 @@ __attribute__((noinline)) void int8_rows(const int8_t* xq, const float* xd, cons
         for (int c = 0; c < 2; ++c) {
             const float* f = reinterpret_cast<const float*>(w + c * I8_TILE);
             const lanes_group sc = {loadv(f), loadv(f + TILE), loadv(f + 2 * TILE), loadv(f + 3 * TILE), nullptr};
-            for (int r = 0; r < R; ++r)
-                out[r][c] = apply_int8<uniform>(sc, lo[r][c], hi[r][c], xd, xs, K, r, g, out[r][c]);
+            for (int r = 0; r < R; ++r) {
+                if constexpr (uniform) {  // `apply_int8<true>`, its x_lo + x_hi added beforehand (xs: (R, K/32))
+                    out[r][c] = fma(sc.a_lo, mul(to_float(lo[r][c]), set1(xd[r * (K / 32) + g])), out[r][c]);
+                    out[r][c] = fma(sc.b_lo, set1(xs[r * (K / 32) + g]), out[r][c]);
+                } else {
+                    out[r][c] = apply_int8<false>(sc, lo[r][c], hi[r][c], xd, xs, K, r, g, out[r][c]);
+                }
+            }
         }
     }
     for (int r = 0; r < R; ++r) lanes_store<2>(out[r], y + r * ldy, valid);
@@ -1314,6 +1320,7 @@ void int8_prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w
     // uninitialised: zeroing a prompt's took longer than rounding it).
     const std::unique_ptr<int8_t[]> xq(new int8_t[size_t(M * K)]);
     const std::unique_ptr<float[]> xd(new float[size_t(M * (K / 32))]), xs(new float[size_t(M * (K / 16))]);
+    const std::unique_ptr<float[]> xg(new float[F::uniform ? size_t(M * (K / 32)) : 0]);  // xs's pairs summed
 #pragma omp parallel num_threads(threads)
     {
         std::vector<uint8_t> scratch(size_t(K / 32 * 2 * I8_TILE));
@@ -1322,6 +1329,8 @@ void int8_prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w
             const int64_t r0 = M * t / nt, r1 = M * (t + 1) / nt;
             quantize_rows(x + r0 * K, r1 - r0, K, xq.get() + r0 * K, xd.get() + r0 * (K / 32));
             half_sums(x + r0 * K, r1 - r0, K, xs.get() + r0 * (K / 16));
+            if constexpr (F::uniform)  // each group's two half sums added once, not once a tile
+                for (int64_t i = r0 * (K / 32); i < r1 * (K / 32); ++i) xg[i] = xs[2 * i] + xs[2 * i + 1];
         }
 #pragma omp barrier
         for (int64_t u = units * t / nt; u < units * (t + 1) / nt; ++u) {
@@ -1330,7 +1339,8 @@ void int8_prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w
             bytes_unit<F>(w + u * unit_bytes, K, scratch.data());
             int64_t r0 = 0;
             by_rows<IR>(M, [&]<int R>() {
-                int8_rows<R, F::uniform, L, sgn>(xq.get() + r0 * K, xd.get() + r0 * (K / 32), xs.get() + r0 * (K / 16), K,
+                const float* sums = F::uniform ? xg.get() + r0 * (K / 32) : xs.get() + r0 * (K / 16);
+                int8_rows<R, F::uniform, L, sgn>(xq.get() + r0 * K, xd.get() + r0 * (K / 32), sums, K,
                                             scratch.data(), y + r0 * ldy + n0, ldy, valid);
                 r0 += R;
             });
@@ -1506,14 +1516,15 @@ __attribute__((noinline)) void int8_q6_rows(const int8_t* x8, const float* xd, c
 // byte pairs, so that output c's lane holds (q[2p], q[2p + 1], q[2p + 16], q[2p + 17]), outputs 0-7
 // in one register and 8-15 in the other (two unpacks, two permutes and two shuffles for 16
 // outputs), multiplied by x's matching quad (`q8_x`) as `dot4s` does: |q| by x with q's sign.
-// With AVX512-VBMI and VNNI (`Q8_UNSIGNED`), three rows or more take both tiles of a unit at once:
+// With AVX512-VBMI and VNNI (`Q8_UNSIGNED`), every row count takes both tiles of a unit at once:
 // one byte permute puts a tile's quads of a step pair in one register, and flipping their top bits
 // makes them the unsigned q + 128 that `vpdpbusd` takes as they are: one dot product a step pair,
 // tile and row, its sums started at -128 (x[0] + ... + x[31]) (`q8_x`), so that they end as the
 // same integer sums of x q. Zen 4, 2 threads, in-process A/B: 8192x576 (in cache) at 3 / 4 / 8 rows
 // 0.115 / 0.139 / 0.250 -> 0.068 / 0.079 / 0.158 ms; SmolLM2's 49152x576 LM head (30 MB, from
-// memory) at 6 / 8 rows 1.74 / 1.92 -> 1.56 / 1.58 ms. One and two rows keep `dot4s`: from memory
-// they were no faster this way.
+// memory) at 6 / 8 rows 1.74 / 1.92 -> 1.56 / 1.58 ms. One and two rows were no faster this way on
+// the Zen 4, but on a Xeon (model 167) the same head's product of one / two rows took 0.79 / 0.71x
+// the time of `dot4s` (2 threads, in-process A/B, from memory), so they take it too.
 constexpr bool Q8_UNSIGNED = VBMI_QUADS;
 constexpr int64_t X8Q8 = Q8_UNSIGNED ? 2 : 1;  // bytes of `q8_x` a weight
 // int8 x (M, K) in `quantize_rows`'s order -> per group and step pair p: x[2p], x[2p + 1],
@@ -1587,8 +1598,7 @@ __attribute__((noinline)) void int8_q8_unsigned_rows(const int8_t* x8, const flo
 }
 #endif  // VBMI_QUADS
 
-// R rows over tile `first` with the signed quants (`dot4s`): without VBMI and VNNI, and for one or
-// two rows with them (no faster there: SmolLM2's 30 MB head, read from memory, is bound by it).
+// R rows over tile `first` with the signed quants (`dot4s`): without VBMI and VNNI.
 template <class F, int R>
 __attribute__((noinline)) void int8_q8_rows(const int8_t* x8, const float* xd, const float* xs, int64_t K,
                                             const uint8_t* unit, int first, float* y, int64_t ldy, int valid) {
@@ -1816,7 +1826,7 @@ void int8_unit_rows(const int8_t* xq, const float* xd, const float* xs, int64_t 
     }
 #endif
 #if VBMI_QUADS
-    if constexpr (Q8<F> && R >= 3) {
+    if constexpr (Q8<F>) {
         int8_q8_unsigned_rows<F, R>(xq, xd, xs, K, unit, y, ldy, valid);
         return;
     }
