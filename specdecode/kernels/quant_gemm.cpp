@@ -796,13 +796,19 @@ inline V apply(const lanes_group& g, V s_lo, V s_hi, float x_lo, float x_hi, V a
 // scaled by row r's x scale (xd (R, K/32)), its half sums of float x from xs (R, K/16). The one
 // arithmetic of every int8 path (prompt rows, decoding rows read from words, byte pairs or Q6_K's
 // quads: the words' rows write it out), so that they give the same bits.
+// Where both halves share their scales: the group's sums s, row scale d and the row's sum of x
+// over the group (its two half sums added).
+inline V apply_int8_uniform(const lanes_group& sc, VI s, float d, float x_sum, V acc) {
+    acc = fma(sc.a_lo, mul(to_float(s), set1(d)), acc);
+    return fma(sc.b_lo, set1(x_sum), acc);
+}
 template <bool uniform>
 inline V apply_int8(const lanes_group& sc, VI s_lo, VI s_hi, const float* xd, const float* xs, int64_t K, int r,
                     int64_t g, V acc) {
-    const V d = set1(xd[r * (K / 32) + g]);
     const float x_lo = xs[r * (K / 16) + 2 * g], x_hi = xs[r * (K / 16) + 2 * g + 1];
+    if constexpr (uniform) return apply_int8_uniform(sc, s_lo, xd[r * (K / 32) + g], x_lo + x_hi, acc);
+    const V d = set1(xd[r * (K / 32) + g]);
     acc = fma(sc.a_lo, mul(to_float(s_lo), d), acc);
-    if constexpr (uniform) return fma(sc.b_lo, set1(x_lo + x_hi), acc);
     acc = fma(sc.a_hi, mul(to_float(s_hi), d), acc);
     acc = fma(sc.b_lo, set1(x_lo), acc);
     return fma(sc.b_hi, set1(x_hi), acc);
@@ -1262,8 +1268,8 @@ inline void group_dots(const uint8_t* const (&t)[2], const int8_t* const (&x4)[R
 }
 
 // R rows of int8 x (xq (R, K), scales xd (R, K/32), float half sums xs (R, K/16), or where
-// `uniform` each group's two added (R, K/32)) over a unit decoded by `bytes_unit`. L: steps whose int16 pair sums fit together (8 for 4-bit quants); sgn:
-// signed quants (Q8_0).
+// `uniform` each group's two added (R, K/32)) over a unit decoded by `bytes_unit`. L: steps whose
+// int16 pair sums fit together (8 for 4-bit quants); sgn: signed quants (Q8_0).
 template <int R, bool uniform, int L, bool sgn>
 __attribute__((noinline)) void int8_rows(const int8_t* xq, const float* xd, const float* xs, int64_t K,
                                          const uint8_t* w, float* y, int64_t ldy, int valid) {
@@ -1286,9 +1292,8 @@ __attribute__((noinline)) void int8_rows(const int8_t* xq, const float* xd, cons
             const float* f = reinterpret_cast<const float*>(w + c * I8_TILE);
             const lanes_group sc = {loadv(f), loadv(f + TILE), loadv(f + 2 * TILE), loadv(f + 3 * TILE), nullptr};
             for (int r = 0; r < R; ++r) {
-                if constexpr (uniform) {  // `apply_int8<true>`, its x_lo + x_hi added beforehand (xs: (R, K/32))
-                    out[r][c] = fma(sc.a_lo, mul(to_float(lo[r][c]), set1(xd[r * (K / 32) + g])), out[r][c]);
-                    out[r][c] = fma(sc.b_lo, set1(xs[r * (K / 32) + g]), out[r][c]);
+                if constexpr (uniform) {  // xs: the groups' sums of x (R, K/32)
+                    out[r][c] = apply_int8_uniform(sc, lo[r][c], xd[r * (K / 32) + g], xs[r * (K / 32) + g], out[r][c]);
                 } else {
                     out[r][c] = apply_int8<false>(sc, lo[r][c], hi[r][c], xd, xs, K, r, g, out[r][c]);
                 }
@@ -1523,7 +1528,7 @@ __attribute__((noinline)) void int8_q6_rows(const int8_t* x8, const float* xd, c
 // same integer sums of x q. Zen 4, 2 threads, in-process A/B: 8192x576 (in cache) at 3 / 4 / 8 rows
 // 0.115 / 0.139 / 0.250 -> 0.068 / 0.079 / 0.158 ms; SmolLM2's 49152x576 LM head (30 MB, from
 // memory) at 6 / 8 rows 1.74 / 1.92 -> 1.56 / 1.58 ms. One and two rows were no faster this way on
-// the Zen 4, but on a Xeon (model 167) the same head's product of one / two rows took 0.79 / 0.71x
+// the Zen 4, but on a Xeon (model 167) the same head's product of one / two rows took 0.73 / 0.68x
 // the time of `dot4s` (2 threads, in-process A/B, from memory), so they take it too.
 constexpr bool Q8_UNSIGNED = VBMI_QUADS;
 constexpr int64_t X8Q8 = Q8_UNSIGNED ? 2 : 1;  // bytes of `q8_x` a weight
