@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from specdecode.cli import main
 from tests.test_loading import _fake_entry
@@ -173,7 +174,8 @@ def test_spec_bench_reports_decoding_apart_from_prefill(
 ) -> None:
     """`specdecode bench` on a tiny model: every output equals plain decoding's, beside the whole
     request's tokens/s each row gives decoding's alone (the tokens after the first over the time
-    after the first token), and `--plot` draws the speedups."""
+    after the first token), `--plot` draws the speedups, and a first line (kept in the JSON)
+    names the kernels that ran and the memory bandwidth read before and after the run."""
     questions = tmp_path / "q.jsonl"
     questions.write_text(
         json.dumps({"question_id": 1, "category": "qa", "turns": ["a b c a b c a b", "c a b"]}) + "\n"
@@ -182,14 +184,29 @@ def test_spec_bench_reports_decoding_apart_from_prefill(
     argv = ["bench", "--model", str(tiny_gguf), "--questions", str(questions), "--max-tokens", "12"]
     assert main([*argv, "--method", "prompt_lookup", "--json", str(out), "--plot", str(png)]) == 0
     printed = capsys.readouterr().out
-    assert "decode" in printed.splitlines()[0] and f"plot written to {png}" in printed
+    lines = printed.splitlines()
+    assert "decode" in lines[1] and f"plot written to {png}" in printed
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the speedups drawn (matplotlib)
-    rows = {(r["method"], r["category"]): r for r in json.loads(out.read_text())["rows"]}
+    result = json.loads(out.read_text())
+    ran_on = result["machine"]
+    assert lines[0].startswith(f"kernels {ran_on['kernels']}")
+    assert ran_on["threads"] == torch.get_num_threads()
+    if ran_on["read_gb_s"] is not None:  # our CPU kernels' probe: a bandwidth each side of the run
+        assert ran_on["read_gb_s"] > 0 and ran_on["read_gb_s_after"] > 0
+        assert f"memory read {ran_on['read_gb_s']} GB/s before the run" in lines[0]
+    rows = {(r["method"], r["category"]): r for r in result["rows"]}
     for method in ("plain", "prompt_lookup[k=4,n=2]"):
         row = rows[(method, "overall")]
         assert row["greedy_match"] and row["outputs"] == 2
         assert row["decode_tokens_per_s"] > 0 and row["tokens_per_s"] > 0
     assert rows[("plain", "overall")]["decode_speedup"] == 1.0
+    # each method's decoding steps by the rows their forward ran: plain's one row each, one a
+    # token (the prefill stops before the prompt's last token, the first step's root)
+    steps = result["steps"]
+    plain_tokens = rows[("plain", "overall")]["tokens"]
+    assert [(s["rows"], s["steps"]) for s in steps["plain"]] == [(1, plain_tokens)]
+    assert all(s["ms"] > 0 for by_rows in steps.values() for s in by_rows)
+    assert "decoding steps by rows in their forward" in printed
 
 
 def test_spec_bench_repeats_report_medians_of_within_run_ratios(
@@ -222,9 +239,13 @@ def test_spec_bench_repeats_report_medians_of_within_run_ratios(
         row = dict(method="m", category="overall", tokens_per_s=100 * speedup, speedup=speedup, tau=1.5)
         row |= dict(decode_tokens_per_s=None, decode_speedup=None, outputs=2, tokens=10)
         row |= dict(greedy_match=mismatches == 0, mismatches=mismatches)
-        return {"temperature": 0.0, "rows": [row], "tie_gaps": {}}
+        steps = {"m": [{"rows": 1, "steps": 10, "ms": 5.0}, {"rows": 4, "steps": 2, "ms": 8.0 * speedup}]}
+        return {"temperature": 0.0, "rows": [row], "tie_gaps": {}, "steps": steps}
 
-    merged = median_report([one(1.1, 0), one(1.4, 1), one(1.2, 0)])["rows"][0]
+    report = median_report([one(1.1, 0), one(1.4, 1), one(1.2, 0)])
+    # steps summed over the runs, their mean ms over all of them
+    assert report["steps"]["m"] == [{"rows": 1, "steps": 30, "ms": 5.0}, {"rows": 4, "steps": 6, "ms": 9.867}]
+    merged = report["rows"][0]
     assert merged["speedup"] == 1.2 and merged["speedup_runs"] == [1.1, 1.4, 1.2]
     assert merged["decode_speedup"] is None and merged["tau"] == 1.5
     assert not merged["greedy_match"] and merged["mismatches"] == 1 and merged["outputs"] == 6

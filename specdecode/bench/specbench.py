@@ -126,6 +126,17 @@ class Method:
     # transformers' plain greedy where it differs from ours: at the first token that differs,
     # how far its own logits put its token above ours, in units of the dtype's rounding step there
     tie_gaps: list[float] = field(default_factory=list)
+    # Its decoding steps by rows in their forward: [steps, seconds] (`EngineStats.decode_steps`)
+    steps: dict[int, list[float]] = field(default_factory=dict)
+
+    def count_steps(self, before: dict[int, list[float]], after: dict[int, list[float]]) -> None:
+        """Add the engine's decoding steps between two copies of its counts."""
+        for rows, (n, seconds) in after.items():
+            n0, s0 = before.get(rows, (0, 0.0))
+            if n > n0:
+                mine = self.steps.setdefault(rows, [0, 0.0])
+                mine[0] += n - n0
+                mine[1] += seconds - s0
 
     def total(self) -> Tally:
         out = Tally()
@@ -270,8 +281,10 @@ def run(
                     tally.seconds = time.perf_counter() - t0
                     tally.forwards = 0
                 else:
+                    before = {rows: list(c) for rows, c in llm.engine.stats.decode_steps.items()}
                     out = llm.generate([ids], params, speculative=m.spec)[0]
                     tally.seconds = time.perf_counter() - t0
+                    m.count_steps(before, llm.engine.stats.decode_steps)
                     tokens = out.token_ids
                     tally.forwards = out.stats.num_target_forwards
                     if len(tokens) > 1:
@@ -318,7 +331,16 @@ def report(methods: list[Method], temperature: float) -> dict[str, Any]:
                 }
             )
     gaps = {m.label: [round(g, 2) for g in m.tie_gaps] for m in methods if m.tie_gaps}
-    return {"temperature": temperature, "rows": rows, "tie_gaps": gaps}
+    steps = {m.label: step_rows(m.steps) for m in methods if m.steps}
+    return {"temperature": temperature, "rows": rows, "tie_gaps": gaps, "steps": steps}
+
+
+def step_rows(steps: dict[int, list[float]]) -> list[dict[str, float]]:
+    """Decoding steps by rows in their forward: how many, their mean milliseconds."""
+    return [
+        {"rows": rows, "steps": int(n), "ms": round(1000 * seconds / n, 3)}
+        for rows, (n, seconds) in sorted(steps.items())
+    ]
 
 
 # A run's figures that are medians over repeated runs (each ratio taken within its run first).
@@ -351,7 +373,50 @@ def median_report(results: list[dict[str, Any]]) -> dict[str, Any]:
     for r in results:
         for label, g in r["tie_gaps"].items():
             gaps.setdefault(label, []).extend(g)
-    return {"temperature": results[0]["temperature"], "rows": rows, "tie_gaps": gaps, "runs": len(results)}
+    steps: dict[str, dict[int, list[float]]] = {}  # every run's steps together
+    for r in results:
+        for label, by_rows in r.get("steps", {}).items():
+            mine = steps.setdefault(label, {})
+            for s in by_rows:
+                counts = mine.setdefault(s["rows"], [0, 0.0])
+                counts[0] += s["steps"]
+                counts[1] += s["steps"] * s["ms"] / 1000
+    merged = {label: step_rows(by_rows) for label, by_rows in steps.items()}
+    return {
+        "temperature": results[0]["temperature"],
+        "rows": rows,
+        "tie_gaps": gaps,
+        "steps": merged,
+        "runs": len(results),
+    }
+
+
+def machine(llm: LLM) -> dict[str, Any]:
+    """What the figures ran on: the kernels (named for the instruction set they were built for,
+    e.g. `cpu-avx512`), the quantized products' kernels, threads, and the memory's read bandwidth
+    now (GB/s, the kernels' probe; None off our CPU kernels). A host whose other tenants take its
+    bandwidth slows one-row steps more than verified rows, so its ratios read higher: a figure is
+    read beside the bandwidth it ran at."""
+    kernels, threads = llm.model.kernels, torch.get_num_threads()
+    return {
+        "kernels": kernels.name,
+        "quant_kernels": kernels.quant.name if kernels.quant is not None else None,
+        "threads": threads,
+        "read_gb_s": read_gb_s(llm),
+    }
+
+
+def read_gb_s(llm: LLM) -> float | None:
+    probe = llm.model.kernels.probe
+    return None if probe is None else round(probe.read_bandwidth(torch.get_num_threads()) / 1e9, 1)
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    quant = f" (quantized products: {m['quant_kernels']})" if m["quant_kernels"] else ""
+    line = f"kernels {m['kernels']}{quant}, {m['threads']} threads"
+    if m["read_gb_s"] is not None:
+        line += f"; memory read {m['read_gb_s']} GB/s before the run, {m['read_gb_s_after']} after"
+    return line
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -378,6 +443,10 @@ def print_table(result: dict[str, Any]) -> None:
                 whole = " ".join(f"{v:.2f}x" for v in r["speedup_runs"] if v is not None)
                 alone = " ".join(f"{v:.2f}x" for v in r["decode_speedup_runs"] if v is not None)
                 print(f"  {r['method']}: {whole}" + (f" (decoding alone {alone})" if alone else ""))
+    if result.get("steps"):
+        print("decoding steps by rows in their forward (steps x mean ms of a whole step):")
+        for label, by_rows in result["steps"].items():
+            print(f"  {label}: " + ", ".join(f"{s['rows']}: {s['steps']} x {s['ms']:.2f}" for s in by_rows))
     for label, gaps in result.get("tie_gaps", {}).items():
         print(
             f"{label} differs from ours on {len(gaps)} outputs: at the first token that differs its "
@@ -432,13 +501,16 @@ def main_args(args: argparse.Namespace) -> None:
         kv_cache_dtype=args.kv_cache_dtype,
     )
     questions = load_questions(args.questions, args.per_category or None, args.categories)
+    ran_on = machine(llm)
     results = []
     for i in range(args.repeats):
         desc = "spec-bench" if args.repeats == 1 else f"spec-bench run {i + 1}/{args.repeats}"
         methods = run(llm, specs, questions, args.max_tokens, args.temperature, args.transformers, desc=desc)
         results.append(report(methods, args.temperature))
     result = results[0] if len(results) == 1 else median_report(results)
-    result.update(model=args.model, max_tokens=args.max_tokens, questions=len(questions))
+    ran_on["read_gb_s_after"] = read_gb_s(llm)
+    result.update(model=args.model, max_tokens=args.max_tokens, questions=len(questions), machine=ran_on)
+    print(machine_line(ran_on))
     print_table(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

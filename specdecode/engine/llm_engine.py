@@ -160,6 +160,16 @@ class EngineStats:
     # (each finished request's decode time / its tokens after the first).
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     time_per_output_token: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))
+    # Decoding steps (no prompt rows in their forward) by the rows their forward ran: [steps,
+    # seconds of the whole step, drafting and verifying included]. What a step verifying drafts
+    # costs here beside a one-row step, the other half of a method's speedup besides its tau.
+    decode_steps: dict[int, list[float]] = field(default_factory=dict)
+
+    def record_step(self, rows: int, seconds: float) -> None:
+        """One decoding step of `rows` rows that took `seconds`."""
+        counts = self.decode_steps.setdefault(rows, [0, 0.0])
+        counts[0] += 1
+        counts[1] += seconds
 
     def record_cost(self, method: str, source: str, seconds_per_token: float) -> None:
         """One proposal's drafting seconds per draft token, into its method's estimate for the
@@ -465,10 +475,12 @@ class LLMEngine:
         if plans or chunks:
             hidden = self._forward(plans, chunks)
             deltas = self._commit(plans, chunks, hidden)
+        rows = sum(p[1].length for p in plans) + sum(c[1].length for c in chunks)
         if self.policy is not None and plans and curve_known:  # not the step that measured it
-            rows = sum(p[1].length for p in plans) + sum(c[1].length for c in chunks)
             drafted = any(p[1].length > 1 for p in plans)
             self.policy.observe_step(time.perf_counter() - t0, rows, draft_seconds, drafted)
+        if plans and not chunks:
+            self.stats.record_step(rows, time.perf_counter() - t0)
         self._update_gauges()
         return deltas
 
