@@ -219,6 +219,27 @@ def alone(llm: LLM, prompt: list[int], params: SamplingParams, spec: dict | None
     return llm.generate([prompt], params, speculative=spec)[0].token_ids
 
 
+def test_engine_counts_decoding_steps_by_rows(setup) -> None:
+    """`EngineStats.decode_steps`: every step without prompt rows, by the rows of its forward
+    (root and drafts), with its seconds, except the step that timed the policy's latency curve
+    (its first budget): a request's prefill step and that one are left out."""
+    llm, _ = setup
+    engine = llm.new_engine(EngineConfig(block_size=4, policy=True))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    engine.add_request(
+        EngineRequest("a", prompts(1)[0] * 3, params, parse_speculative({"method": "prompt_lookup"}))
+    )
+    steps, tokens = 0, 0
+    while engine.has_unfinished():
+        tokens += sum(len(d.new_token_ids) for d in engine.step())
+        steps += 1
+    counted = engine.stats.decode_steps
+    assert tokens == 16 and engine.policy is not None and engine.policy.measured
+    assert sum(int(n) for n, _ in counted.values()) == steps - 2  # less the prefill and the timing
+    assert all(rows >= 1 and seconds > 0 for rows, (_, seconds) in counted.items())
+    assert any(rows > 1 for rows in counted)  # repetitive: prompt lookup verified drafts
+
+
 @pytest.mark.parametrize("policy", [False, True])
 def test_batch_invariance_and_no_leak(setup, policy: bool) -> None:
     llm, methods = setup

@@ -479,7 +479,8 @@ class LLMEngine:
         if self.policy is not None and plans and curve_known:  # not the step that measured it
             drafted = any(p[1].length > 1 for p in plans)
             self.policy.observe_step(time.perf_counter() - t0, rows, draft_seconds, drafted)
-        if plans and not chunks:
+        measured_now = self.policy is not None and not curve_known and self.policy.measured
+        if plans and not chunks and not measured_now:  # not the step that timed the latency curve
             self.stats.record_step(rows, time.perf_counter() - t0)
         self._update_gauges()
         return deltas
