@@ -134,9 +134,7 @@ class Method:
         for rows, (n, seconds) in after.items():
             n0, s0 = before.get(rows, (0, 0.0))
             if n > n0:
-                mine = self.steps.setdefault(rows, [0, 0.0])
-                mine[0] += n - n0
-                mine[1] += seconds - s0
+                add_steps(self.steps, rows, n - n0, seconds - s0)
 
     def total(self) -> Tally:
         out = Tally()
@@ -335,6 +333,13 @@ def report(methods: list[Method], temperature: float) -> dict[str, Any]:
     return {"temperature": temperature, "rows": rows, "tie_gaps": gaps, "steps": steps}
 
 
+def add_steps(steps: dict[int, list[float]], rows: int, n: float, seconds: float) -> None:
+    """Add n steps of `rows` rows, `seconds` in all, to the counts `steps` ([steps, seconds])."""
+    counts = steps.setdefault(rows, [0, 0.0])
+    counts[0] += n
+    counts[1] += seconds
+
+
 def step_rows(steps: dict[int, list[float]]) -> list[dict[str, float]]:
     """Decoding steps by rows in their forward: how many, their mean milliseconds."""
     return [
@@ -378,9 +383,7 @@ def median_report(results: list[dict[str, Any]]) -> dict[str, Any]:
         for label, by_rows in r.get("steps", {}).items():
             mine = steps.setdefault(label, {})
             for s in by_rows:
-                counts = mine.setdefault(s["rows"], [0, 0.0])
-                counts[0] += s["steps"]
-                counts[1] += s["steps"] * s["ms"] / 1000
+                add_steps(mine, s["rows"], s["steps"], s["steps"] * s["ms"] / 1000)
     merged = {label: step_rows(by_rows) for label, by_rows in steps.items()}
     return {
         "temperature": results[0]["temperature"],
@@ -393,20 +396,19 @@ def median_report(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def machine(llm: LLM) -> dict[str, Any]:
     """What the figures ran on: the kernels (named for the instruction set they were built for,
-    e.g. `cpu-avx512`), the quantized products' kernels, threads, and the memory's read bandwidth
-    now (GB/s, the kernels' probe; None off our CPU kernels). A host whose other tenants take its
-    bandwidth slows one-row steps more than verified rows, so its ratios read higher: a figure is
-    read beside the bandwidth it ran at."""
-    kernels, threads = llm.model.kernels, torch.get_num_threads()
+    e.g. `cpu-avx512`), the quantized products' kernels and threads (`main_args` adds the memory's
+    read bandwidth before and after the run: a host whose other tenants take its bandwidth slows
+    one-row steps more than verified rows, so its ratios read higher)."""
+    kernels = llm.model.kernels
     return {
         "kernels": kernels.name,
         "quant_kernels": kernels.quant.name if kernels.quant is not None else None,
-        "threads": threads,
-        "read_gb_s": read_gb_s(llm),
+        "threads": torch.get_num_threads(),
     }
 
 
 def read_gb_s(llm: LLM) -> float | None:
+    """The memory's read bandwidth now, GB/s (the kernels' probe; None off our CPU kernels)."""
     probe = llm.model.kernels.probe
     return None if probe is None else round(probe.read_bandwidth(torch.get_num_threads()) / 1e9, 1)
 
@@ -501,7 +503,7 @@ def main_args(args: argparse.Namespace) -> None:
         kv_cache_dtype=args.kv_cache_dtype,
     )
     questions = load_questions(args.questions, args.per_category or None, args.categories)
-    ran_on = machine(llm)
+    ran_on = machine(llm) | {"read_gb_s": read_gb_s(llm)}
     results = []
     for i in range(args.repeats):
         desc = "spec-bench" if args.repeats == 1 else f"spec-bench run {i + 1}/{args.repeats}"
