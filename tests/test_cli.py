@@ -92,6 +92,13 @@ def test_bad_input_is_one_line(
     assert "Traceback" not in err
 
 
+def test_bench_runtime_depth_must_be_positive(tiny_gguf: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench-runtime --depth 0` is refused in one line before any model loads."""
+    argv = ["bench-runtime", "--model", str(tiny_gguf), "--depth", "256", "--depth", "0"]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2 and "--depth must be >= 1, got 0" in err and "Traceback" not in err
+
+
 def test_checksum_mismatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     _fake_entry(monkeypatch, tmp_path / "wheels", [b"tampered" * 64], "0" * 64)
     code, _, err = run_cli(["models", "fetch", "fake-model"], capsys)

@@ -586,16 +586,22 @@ def test_a_target_with_int8_activations_speculates_exactly(quant_gguf: Path) -> 
 
 
 def test_bench_runtime_times_int8_activations(quant_gguf: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """`specdecode bench-runtime --activations int8`: the forward-latency curve of the int8 rows
-    (a model with fewer positions than 256 cached tokens and the widest forward: timed after as
-    many as it holds)."""
+    """`specdecode bench-runtime --activations int8 --depth 256 --depth 16`: the forward-latency
+    curve of the int8 rows after each depth (a model with fewer positions than 256 cached tokens
+    and the widest forward: timed after as many as it holds), the first read against the bounds,
+    the second printed with what it costs beyond the first."""
     if select("cpu").quant is None:
         pytest.skip("no quantized kernels here (no C++ compiler, or SPECDECODE_CPU_ISA=off)")
-    report = runtime.run(str(quant_gguf), "auto", 8, 1, None, activations="int8")
-    assert report.activations == "int8" and report.context == CONTEXT - max(runtime.LATENCY_WIDTHS)
-    assert set(report.forward_ms) == set(runtime.LATENCY_WIDTHS) and all(
-        ms > 0 for ms in report.forward_ms.values()
-    )
+    report = runtime.run(str(quant_gguf), "auto", 8, 1, None, activations="int8", depths=(256, 16))
+    held = CONTEXT - max(runtime.LATENCY_WIDTHS)
+    assert report.activations == "int8" and report.context == held
+    assert list(report.forward_ms_by_context) == [held, 16]
+    for curve in report.forward_ms_by_context.values():
+        assert set(curve) == set(runtime.LATENCY_WIDTHS) and all(ms > 0 for ms in curve.values())
+    assert report.forward_ms == report.forward_ms_by_context[held]
+    shallow = report.forward_ms_by_context[16]
+    assert report.depth_cost_ms(16) == {t: round(shallow[t] - report.forward_ms[t], 2) for t in shallow}
+    assert report.as_dict()["forward_ms_by_context"] == report.forward_ms_by_context
     m = report.machine
     assert m is not None and m.kernels.endswith("-int8")
     # the compute bound is the int8 dot products' rate where the build has them (not the portable one)
@@ -610,6 +616,7 @@ def test_bench_runtime_times_int8_activations(quant_gguf: Path, capsys: pytest.C
     runtime.print_report(report)
     out = capsys.readouterr().out
     assert "activations int8" in out and f"over a {report.context}-token context" in out
+    assert f"the same over a 16-token context, and beyond the {held}-token one" in out
     assert ("G int8 ops/s (the bound)" in out) == (m.peak_int8_ops is not None)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.errors import require_positive
+from specdecode.errors import SpecDecodeError, require_positive
 from specdecode.llm import LLM
 from specdecode.models.latency import forward_seconds
 from specdecode.sampling import SamplingParams
@@ -100,18 +100,38 @@ class RuntimeReport:
     threads: int
     new_tokens: int
     activations: str = "float32"  # int8: rounded as llama.cpp does, tokens no longer transformers' own
-    context: int = 256  # cached tokens the forward-latency curve is timed after
+    # The forward-latency curve by the cached tokens it is timed after (llama-bench's depth),
+    # the first depth's being the curve the bounds are read against.
+    forward_ms_by_context: dict[int, dict[int, float]] = field(default_factory=dict)
     ours_tok_s: list[float] = field(default_factory=list)
     hf_tok_s: list[float] = field(default_factory=list)
     # On a GPU: ours with every forward launched op by op (no CUDA graphs), and transformers with
     # its static cache and `torch.compile` (mode "reduce-overhead": its own CUDA graphs).
     ours_eager_tok_s: list[float] = field(default_factory=list)
     hf_compiled_tok_s: list[float] = field(default_factory=list)
-    forward_ms: dict[int, float] = field(default_factory=dict)
     graph_forward_ms: dict[int, float] = field(default_factory=dict)
     same_tokens: bool = False
     machine: Machine | None = None
     memory: Memory | None = None
+
+    @property
+    def context(self) -> int:
+        """The cached tokens of the first curve (256 unless asked otherwise)."""
+        return next(iter(self.forward_ms_by_context), 256)
+
+    @property
+    def forward_ms(self) -> dict[int, float]:
+        """The forward-latency curve after `context` cached tokens: ms by new tokens."""
+        return self.forward_ms_by_context.get(self.context, {})
+
+    def depth_cost_ms(self, context: int) -> dict[int, float]:
+        """What a forward after `context` cached tokens costs beyond one after the first curve's,
+        by new tokens: attention over the extra tokens (the products do not depend on them)."""
+        return {
+            t: round(ms - self.forward_ms[t], 2)
+            for t, ms in self.forward_ms_by_context[context].items()
+            if t in self.forward_ms
+        }
 
     def bounds_ms(self, rows: int) -> tuple[float, float] | None:
         """(memory bound, compute bound) of a forward over `rows` new tokens, in ms."""
@@ -142,6 +162,7 @@ class RuntimeReport:
             "transformers_compiled_tok_s_runs": [round(x, 2) for x in self.hf_compiled_tok_s],
             "forward_context": self.context,
             "forward_ms_by_new_tokens": self.forward_ms,
+            "forward_ms_by_context": self.forward_ms_by_context,
             "graph_forward_ms_by_new_tokens": self.graph_forward_ms,
             "bounds_ms_by_new_tokens": {t: self.bounds_ms(t) for t in self.forward_ms},
             "machine": None if self.machine is None else dataclasses.asdict(self.machine),
@@ -182,7 +203,11 @@ def run(
     device: str | None = None,
     compile_peer: bool = False,
     activations: str = "float32",
+    depths: tuple[int, ...] = (256,),
 ) -> RuntimeReport:
+    """Time plain decoding against transformers on the same weights, then the forward-latency
+    curve after each of `depths` cached tokens (each as `latency_context` allows; the first is
+    the curve the bounds and CUDA graphs are read at)."""
     import copy
 
     from transformers import AutoModelForCausalLM
@@ -244,8 +269,10 @@ def run(
             sink.append(len(tokens) / (time.perf_counter() - t0))
     # min_new_tokens masks end-of-sequence in transformers, ignore_eos in ours: same rule, same tokens
     report.same_tokens = ours() == generate(hf)
-    report.context = latency_context(llm, LATENCY_WIDTHS)
-    report.forward_ms = forward_latency(llm, LATENCY_WIDTHS, report.context)
+    for depth in depths:
+        context = latency_context(llm, LATENCY_WIDTHS, depth)
+        if context not in report.forward_ms_by_context:
+            report.forward_ms_by_context[context] = forward_latency(llm, LATENCY_WIDTHS, context)
     if llm.engine.graphs is not None:
         seconds = llm.engine.graphs.seconds(list(LATENCY_WIDTHS), report.context, 20)
         report.graph_forward_ms = {t: round(1000 * statistics.median(s), 3) for t, s in seconds.items()}
@@ -283,6 +310,10 @@ def print_report(report: RuntimeReport) -> None:
         print(f"  transformers static cache + compile  {fast:>8.2f} tok/s  (ours {ours / fast:.2f}x)")
     print(f"  forward + greedy LM head latency (ms) by new tokens over a {report.context}-token context:")
     print("    " + "  ".join(f"T={t}: {ms}" for t, ms in report.forward_ms.items()))
+    for context, curve in list(report.forward_ms_by_context.items())[1:]:
+        extra = report.depth_cost_ms(context)
+        print(f"  the same over a {context}-token context, and beyond the {report.context}-token one:")
+        print("    " + "  ".join(f"T={t}: {ms} ({extra[t]:+})" for t, ms in curve.items()))
     if report.graph_forward_ms:
         print("  the same from captured CUDA graphs (ms):")
         print("    " + "  ".join(f"T={t}: {ms}" for t, ms in report.graph_forward_ms.items()))
@@ -319,14 +350,25 @@ def add_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="on a GPU, also time transformers with its static cache and torch.compile (minutes to compile)",
     )
+    p.add_argument(
+        "--depth",
+        type=int,
+        action="append",
+        metavar="N",
+        help="cached tokens the forward-latency curve is timed after (llama-bench's depth; default "
+        "256); repeat for a curve at each, the first read against the bounds",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
 
 
 def main_args(args: argparse.Namespace) -> None:
     require_positive(args, "new_tokens", "repeats")
+    depths = tuple(args.depth or (256,))
+    if any(d < 1 for d in depths):
+        raise SpecDecodeError(f"--depth must be >= 1, got {min(depths)}")
     report = run(
         args.model, args.dtype, args.new_tokens, args.repeats, args.threads, args.device, args.compile,
-        args.activations,
+        args.activations, depths,
     )  # fmt: skip
     print_report(report)
     if args.json:
