@@ -25,6 +25,7 @@ from specdecode.sampling import SamplingParams
 
 PROMPT = "Write a short essay about the history of the printing press and its effect on science."
 LATENCY_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+DEPTH = 256  # cached tokens the forward-latency curve is timed after, unless asked otherwise
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,8 @@ class RuntimeReport:
 
     @property
     def context(self) -> int:
-        """The cached tokens of the first curve (256 unless asked otherwise)."""
-        return next(iter(self.forward_ms_by_context), 256)
+        """The cached tokens of the first curve (`DEPTH` unless asked otherwise)."""
+        return next(iter(self.forward_ms_by_context), DEPTH)
 
     @property
     def forward_ms(self) -> dict[int, float]:
@@ -127,11 +128,7 @@ class RuntimeReport:
     def depth_cost_ms(self, context: int) -> dict[int, float]:
         """What a forward after `context` cached tokens costs beyond one after the first curve's,
         by new tokens: attention over the extra tokens (the products do not depend on them)."""
-        return {
-            t: round(ms - self.forward_ms[t], 2)
-            for t, ms in self.forward_ms_by_context[context].items()
-            if t in self.forward_ms
-        }
+        return {t: round(ms - self.forward_ms[t], 2) for t, ms in self.forward_ms_by_context[context].items()}
 
     def bounds_ms(self, rows: int) -> tuple[float, float] | None:
         """(memory bound, compute bound) of a forward over `rows` new tokens, in ms."""
@@ -170,14 +167,14 @@ class RuntimeReport:
         }
 
 
-def latency_context(llm: LLM, widths: tuple[int, ...], context: int = 256) -> int:
+def latency_context(llm: LLM, widths: tuple[int, ...], context: int = DEPTH) -> int:
     """The cached tokens the forward-latency curve is timed after: `context`, or fewer where the
     model's positions would not hold them and the widest forward."""
     return max(1, min(context, llm.model.config.max_position_embeddings - max(widths)))
 
 
 def forward_latency(
-    llm: LLM, widths: tuple[int, ...], context: int = 256, repeats: int = 10
+    llm: LLM, widths: tuple[int, ...], context: int = DEPTH, repeats: int = 10
 ) -> dict[int, float]:
     """Median ms of one target forward of T new tokens over `context` plus the greedy LM head on
     every row, as a greedy verification step reads it."""
@@ -203,7 +200,7 @@ def run(
     device: str | None = None,
     compile_peer: bool = False,
     activations: str = "float32",
-    depths: tuple[int, ...] = (256,),
+    depths: tuple[int, ...] = (DEPTH,),
 ) -> RuntimeReport:
     """Time plain decoding against transformers on the same weights, then the forward-latency
     curve after each of `depths` cached tokens (each as `latency_context` allows; the first is
@@ -363,7 +360,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def main_args(args: argparse.Namespace) -> None:
     require_positive(args, "new_tokens", "repeats")
-    depths = tuple(args.depth or (256,))
+    depths = tuple(args.depth or (DEPTH,))
     if any(d < 1 for d in depths):
         raise SpecDecodeError(f"--depth must be >= 1, got {min(depths)}")
     report = run(
