@@ -213,7 +213,11 @@ def test_spec_bench_reports_decoding_apart_from_prefill(
     plain_tokens = rows[("plain", "overall")]["tokens"]
     assert [(s["rows"], s["steps"]) for s in steps["plain"]] == [(1, plain_tokens)]
     assert all(s["ms"] > 0 for by_rows in steps.values() for s in by_rows)
+    # of each step's time, its target forward: some, never more than the whole step
+    assert all(0 < s["forward_ms"] <= s["ms"] for by_rows in steps.values() for s in by_rows)
     assert "decoding steps by rows in their forward" in printed
+    one_row = steps["plain"][0]
+    assert f"1: {plain_tokens} x {one_row['ms']:.2f} [{one_row['forward_ms']:.2f}]" in printed
 
 
 def test_spec_bench_repeats_report_medians_of_within_run_ratios(
@@ -246,12 +250,20 @@ def test_spec_bench_repeats_report_medians_of_within_run_ratios(
         row = dict(method="m", category="overall", tokens_per_s=100 * speedup, speedup=speedup, tau=1.5)
         row |= dict(decode_tokens_per_s=None, decode_speedup=None, outputs=2, tokens=10)
         row |= dict(greedy_match=mismatches == 0, mismatches=mismatches)
-        steps = {"m": [{"rows": 1, "steps": 10, "ms": 5.0}, {"rows": 4, "steps": 2, "ms": 8.0 * speedup}]}
+        steps = {
+            "m": [
+                {"rows": 1, "steps": 10, "ms": 5.0, "forward_ms": 4.0},
+                {"rows": 4, "steps": 2, "ms": 8.0 * speedup, "forward_ms": 6.0 * speedup},
+            ]
+        }
         return {"temperature": 0.0, "rows": [row], "tie_gaps": {}, "steps": steps}
 
     report = median_report([one(1.1, 0), one(1.4, 1), one(1.2, 0)])
-    # steps summed over the runs, their mean ms over all of them
-    assert report["steps"]["m"] == [{"rows": 1, "steps": 30, "ms": 5.0}, {"rows": 4, "steps": 6, "ms": 9.867}]
+    # steps summed over the runs, their mean ms (whole, forward) over all of them
+    assert report["steps"]["m"] == [
+        {"rows": 1, "steps": 30, "ms": 5.0, "forward_ms": 4.0},
+        {"rows": 4, "steps": 6, "ms": 9.867, "forward_ms": 7.4},
+    ]
     merged = report["rows"][0]
     assert merged["speedup"] == 1.2 and merged["speedup_runs"] == [1.1, 1.4, 1.2]
     assert merged["decode_speedup"] is None and merged["tau"] == 1.5

@@ -221,8 +221,8 @@ def alone(llm: LLM, prompt: list[int], params: SamplingParams, spec: dict | None
 
 def test_engine_counts_decoding_steps_by_rows(setup) -> None:
     """`EngineStats.decode_steps`: every step without prompt rows, by the rows of its forward
-    (root and drafts), with its seconds, except the step that timed the policy's latency curve
-    (its first budget): a request's prefill step and that one are left out."""
+    (root and drafts), with its seconds and its forward's, except the step that timed the
+    policy's latency curve (its first budget): a request's prefill step and that one are left out."""
     llm, _ = setup
     engine = llm.new_engine(EngineConfig(block_size=4, policy=True))
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -235,8 +235,10 @@ def test_engine_counts_decoding_steps_by_rows(setup) -> None:
         steps += 1
     counted = engine.stats.decode_steps
     assert tokens == 16 and engine.policy is not None and engine.policy.measured
-    assert sum(int(n) for n, _ in counted.values()) == steps - 2  # less the prefill and the timing
-    assert all(rows >= 1 and seconds > 0 for rows, (_, seconds) in counted.items())
+    assert sum(int(n) for n, _, _ in counted.values()) == steps - 2  # less the prefill and the timing
+    # each with its seconds, and of them its target forward's: some, not all (the LM head and
+    # verifying come after it)
+    assert all(rows >= 1 and 0 < forward < seconds for rows, (_, seconds, forward) in counted.items())
     assert any(rows > 1 for rows in counted)  # repetitive: prompt lookup verified drafts
 
 

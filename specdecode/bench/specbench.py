@@ -126,15 +126,16 @@ class Method:
     # transformers' plain greedy where it differs from ours: at the first token that differs,
     # how far its own logits put its token above ours, in units of the dtype's rounding step there
     tie_gaps: list[float] = field(default_factory=list)
-    # Its decoding steps by rows in their forward: [steps, seconds] (`EngineStats.decode_steps`)
+    # Its decoding steps by rows in their forward: [steps, seconds, forward seconds]
+    # (`EngineStats.decode_steps`)
     steps: dict[int, list[float]] = field(default_factory=dict)
 
     def count_steps(self, before: dict[int, list[float]], after: dict[int, list[float]]) -> None:
         """Add the engine's decoding steps between two copies of its counts."""
-        for rows, (n, seconds) in after.items():
-            n0, s0 = before.get(rows, (0, 0.0))
+        for rows, (n, seconds, forward) in after.items():
+            n0, s0, f0 = before.get(rows, (0, 0.0, 0.0))
             if n > n0:
-                add_steps(self.steps, rows, n - n0, seconds - s0)
+                add_steps(self.steps, rows, n - n0, seconds - s0, forward - f0)
 
     def total(self) -> Tally:
         out = Tally()
@@ -333,18 +334,21 @@ def report(methods: list[Method], temperature: float) -> dict[str, Any]:
     return {"temperature": temperature, "rows": rows, "tie_gaps": gaps, "steps": steps}
 
 
-def add_steps(steps: dict[int, list[float]], rows: int, n: float, seconds: float) -> None:
-    """Add n steps of `rows` rows, `seconds` in all, to the counts `steps` ([steps, seconds])."""
-    counts = steps.setdefault(rows, [0, 0.0])
+def add_steps(steps: dict[int, list[float]], rows: int, n: float, seconds: float, forward: float) -> None:
+    """Add n steps of `rows` rows, `seconds` in all and `forward` of them in the target's
+    forward, to the counts `steps` ([steps, seconds, forward seconds])."""
+    counts = steps.setdefault(rows, [0, 0.0, 0.0])
     counts[0] += n
     counts[1] += seconds
+    counts[2] += forward
 
 
 def step_rows(steps: dict[int, list[float]]) -> list[dict[str, float]]:
-    """Decoding steps by rows in their forward: how many, their mean milliseconds."""
+    """Decoding steps by rows in their forward: how many, their mean milliseconds, and the mean
+    milliseconds of their target forward."""
     return [
-        {"rows": rows, "steps": int(n), "ms": round(1000 * seconds / n, 3)}
-        for rows, (n, seconds) in sorted(steps.items())
+        {"rows": rows, "steps": int(n), "ms": round(1000 * s / n, 3), "forward_ms": round(1000 * f / n, 3)}
+        for rows, (n, s, f) in sorted(steps.items())
     ]
 
 
@@ -383,7 +387,8 @@ def median_report(results: list[dict[str, Any]]) -> dict[str, Any]:
         for label, by_rows in r.get("steps", {}).items():
             mine = steps.setdefault(label, {})
             for s in by_rows:
-                add_steps(mine, s["rows"], s["steps"], s["steps"] * s["ms"] / 1000)
+                n = s["steps"]
+                add_steps(mine, s["rows"], n, n * s["ms"] / 1000, n * s["forward_ms"] / 1000)
     merged = {label: step_rows(by_rows) for label, by_rows in steps.items()}
     return {
         "temperature": results[0]["temperature"],
@@ -446,9 +451,14 @@ def print_table(result: dict[str, Any]) -> None:
                 alone = " ".join(f"{v:.2f}x" for v in r["decode_speedup_runs"] if v is not None)
                 print(f"  {r['method']}: {whole}" + (f" (decoding alone {alone})" if alone else ""))
     if result.get("steps"):
-        print("decoding steps by rows in their forward (steps x mean ms of a whole step):")
+        print(
+            "decoding steps by rows in their forward (steps x mean ms of a step [of it the target forward]):"
+        )
         for label, by_rows in result["steps"].items():
-            print(f"  {label}: " + ", ".join(f"{s['rows']}: {s['steps']} x {s['ms']:.2f}" for s in by_rows))
+            line = ", ".join(
+                f"{s['rows']}: {s['steps']} x {s['ms']:.2f} [{s['forward_ms']:.2f}]" for s in by_rows
+            )
+            print(f"  {label}: {line}")
     for label, gaps in result.get("tie_gaps", {}).items():
         print(
             f"{label} differs from ours on {len(gaps)} outputs: at the first token that differs its "

@@ -161,15 +161,19 @@ class EngineStats:
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     time_per_output_token: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))
     # Decoding steps (no prompt rows in their forward) by the rows their forward ran: [steps,
-    # seconds of the whole step, drafting and verifying included]. What a step verifying drafts
-    # costs here beside a one-row step, the other half of a method's speedup besides its tau.
+    # seconds of the whole step (drafting and verifying included), seconds of its target
+    # forward (the layers; the LM head is read in verifying)]. What a step verifying drafts
+    # costs here beside a one-row step, the other half of a method's speedup besides its tau,
+    # and how much of that is the forward.
     decode_steps: dict[int, list[float]] = field(default_factory=dict)
 
-    def record_step(self, rows: int, seconds: float) -> None:
-        """One decoding step of `rows` rows that took `seconds`."""
-        counts = self.decode_steps.setdefault(rows, [0, 0.0])
+    def record_step(self, rows: int, seconds: float, forward_seconds: float) -> None:
+        """One decoding step of `rows` rows that took `seconds`, `forward_seconds` of them in
+        the target's forward."""
+        counts = self.decode_steps.setdefault(rows, [0, 0.0, 0.0])
         counts[0] += 1
         counts[1] += seconds
+        counts[2] += forward_seconds
 
     def record_cost(self, method: str, source: str, seconds_per_token: float) -> None:
         """One proposal's drafting seconds per draft token, into its method's estimate for the
@@ -472,8 +476,11 @@ class LLMEngine:
             budget -= n
 
         deltas: list[RequestDelta] = []
+        forward_seconds = 0.0
         if plans or chunks:
+            tf = time.perf_counter()
             hidden = self._forward(plans, chunks)
+            forward_seconds = time.perf_counter() - tf
             deltas = self._commit(plans, chunks, hidden)
         rows = sum(p[1].length for p in plans) + sum(c[1].length for c in chunks)
         if self.policy is not None and plans and curve_known:  # not the step that measured it
@@ -481,7 +488,7 @@ class LLMEngine:
             self.policy.observe_step(time.perf_counter() - t0, rows, draft_seconds, drafted)
         measured_now = self.policy is not None and not curve_known and self.policy.measured
         if plans and not chunks and not measured_now:  # not the step that timed the latency curve
-            self.stats.record_step(rows, time.perf_counter() - t0)
+            self.stats.record_step(rows, time.perf_counter() - t0, forward_seconds)
         self._update_gauges()
         return deltas
 
