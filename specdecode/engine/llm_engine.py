@@ -162,7 +162,8 @@ class EngineStats:
     time_per_output_token: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))
     # Decoding steps (no prompt rows in their forward) by the rows their forward ran: [steps,
     # seconds of the whole step (drafting and verifying included), seconds of its target
-    # forward (the layers; the LM head is read in verifying)]. What a step verifying drafts
+    # forward (the layers; the LM head is read in verifying; on a GPU the forward's launches,
+    # its kernels finishing in verifying, which waits for them)]. What a step verifying drafts
     # costs here beside a one-row step, the other half of a method's speedup besides its tau,
     # and how much of that is the forward.
     decode_steps: dict[int, list[float]] = field(default_factory=dict)
