@@ -744,6 +744,30 @@ def test_the_policy_costs_each_way_of_drafting_apart(setup) -> None:
     assert costs["TwoWays", "dear"] >= 0.03 > 0.005 >= costs["TwoWays", "cheap"]
 
 
+def test_prompt_lookup_counts_acceptance_by_match_length(setup) -> None:
+    """Prompt lookup's drafting steps are counted under the way its continuation was found
+    (`PromptLookupDrafter.source`: "lookup:1" .. "lookup:4" by how much of the text's end the
+    occurrence shares), engine-wide and per request, so the policy weighs a weak match's draft
+    apart from a strong one's; the copy's drafting cost is one ("lookup"). Output is plain
+    decoding's."""
+    llm, _ = setup
+    prompt = [5, 9, 13, 17, 21, 3, 9, 13, 40, 41] * 3
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    spec = parse_speculative({"method": "prompt_lookup"})
+    engine = llm.new_engine(EngineConfig(latency_curve=FLAT_CURVE))
+    seq = engine.add_request(EngineRequest("a", prompt, params, spec))
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.req.output_ids == alone(llm, prompt, params, None)
+    ways = {source: s for (method, source), s in engine.stats.ways.items() if method == "prompt_lookup"}
+    # no counts under "lookup:0": a look-up that found nothing drafted nothing
+    assert ways and set(ways) <= {"lookup:1", "lookup:2", "lookup:3", "lookup:4"}, ways
+    assert set(seq.ways) == set(ways)
+    drafted = sum(s.proposed_by_position[0] for s in ways.values() if s.proposed_by_position)
+    assert drafted == engine.stats.proposed_by_position["prompt_lookup"][0] > 0
+    assert set(seq.draft_costs) == {"lookup"} and ("prompt_lookup", "lookup") in engine.stats.draft_cost
+
+
 @pytest.mark.real
 def test_smollm2_batch_equals_solo() -> None:
     llm = LLM(model="smollm2-135m", progress=False)

@@ -244,7 +244,7 @@ def test_a_budget_below_the_tree_takes_the_lookup_chain_first(target: Transforme
         req = Request(target, prompt, greedy(8), [], branch.max_nodes)
         branch.begin(req, prefill(target, req))
         asked.clear()
-        assert branch.source(req) == ("lookup" if lookup is not None else "inner") and asked == []
+        assert branch.source(req) == ("lookup:4" if lookup is not None else "inner") and asked == []
         tree = branch.propose(req, 2)
         assert tree.tree.parents.tolist() == [0, 1]
         if lookup is not None:

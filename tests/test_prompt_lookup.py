@@ -149,6 +149,28 @@ def test_fallback_only_when_nothing_matches() -> None:
     assert fallback.calls == ["begin", "propose", "observe", "observe"]
 
 
+@pytest.mark.parametrize(
+    ("ids", "length"),
+    [
+        ([1, 2, 3], 0),  # nothing earlier ends with 3
+        ([5, 1, 9, 8, 1], 1),  # "1" matched, what came before differs (5 vs 8)
+        ([5, 1, 2, 9, 7, 1, 2], 2),
+        ([4, 1, 2, 9, 4, 1, 2], 3),  # the 2-gram's occurrence shares one more token back
+        ([3, 4, 1, 2, 9, 3, 4, 1, 2], 4),  # four or more: one way
+        ([7, 3, 4, 1, 2, 9, 7, 3, 4, 1, 2], 4),
+        ([1, 1, 1], 2),  # the occurrence overlaps the suffix: as far back as the text goes
+    ],
+)
+def test_match_length_names_the_way(ids: list[int], length: int) -> None:
+    """A copy is surer the more of the text's end its occurrence shares: the load policy keeps
+    acceptance counts per match length (1, 2, 3, 4 or more), and the fallback apart."""
+    drafter = PromptLookupDrafter(PromptLookupConfig(max_matching_ngram_size=2))
+    assert drafter.match_length(ids) == length
+    assert drafter.source(fake(ids)) == (f"lookup:{length}")
+    with_fallback = PromptLookupDrafter(PromptLookupConfig(), RecordingDrafter())
+    assert with_fallback.source(fake(ids)) == (f"lookup:{length}" if length else "fallback")
+
+
 def test_no_match_without_fallback_is_a_plain_step() -> None:
     drafter = PromptLookupDrafter(PromptLookupConfig())
     proposal = drafter.propose(fake([1, 2, 3]))

@@ -52,7 +52,9 @@ class Drafter(ABC):
     def source(self, req: Request) -> str:
         """Which of its ways of drafting a budgeted step of `req` would take now, for a drafter
         whose ways cost differently (a lookup branch: a copy from the text, or its head's chain):
-        the load policy keeps a drafting cost for each. "" for a drafter of one way."""
+        the load policy keeps a drafting cost for each. "" for a drafter of one way. A way may
+        carry a grade after a colon ("lookup:3": a copy whose occurrence shares 3 tokens of the
+        text's end): acceptance is counted per graded way, drafting cost per way (`cost_way`)."""
         return ""
 
     def begin(self, req: Request, prompt_hidden: torch.Tensor) -> None:  # noqa: B027
@@ -103,3 +105,8 @@ class LastRowDrafter(Drafter):
     def observe(self, req: Request, result: StepResult) -> None:
         accepted = result.verdict.accepted_nodes
         self.hidden = result.hidden[accepted[-1] if accepted else 0].clone()
+
+
+def cost_way(source: str) -> str:
+    """The way of a `Drafter.source` that its drafting cost is kept for: its grade left off."""
+    return source.partition(":")[0]

@@ -52,12 +52,13 @@ class LookupBranch(Drafter):
         return self.inner.max_chain
 
     def source(self, req: Request) -> str:
-        """Its way now: "lookup" where an earlier occurrence of the text's end gives a chain,
-        which a budgeted step drafts (a dictionary look-up: ~0.02 ms a token), else "inner", the
-        inner drafter's chain (SmolLM2's EAGLE head: ~1.2 ms a token on a 2-core Xeon, a head
-        forward a depth). Costed as one, the look-ups' steps made the head's look 4x cheaper than
-        it was: the policy granted it 5 tokens where 2 paid, and those steps lost."""
-        return "lookup" if self.lookup.lookup(req.all_ids, 1) else "inner"
+        """Its way now: the lookup's ("lookup:1" .. "lookup:4", graded by how much of the text's
+        end its occurrence shares: `PromptLookupDrafter.source`) where an earlier occurrence gives a
+        chain, which a budgeted step drafts (a dictionary look-up: ~0.02 ms a token), else
+        "inner", the inner drafter's chain (SmolLM2's EAGLE head: ~1.2 ms a token on a 2-core
+        Xeon, a head forward a depth). Costed as one, the look-ups' steps made the head's look 4x
+        cheaper than it was: the policy granted it 5 tokens where 2 paid, and those steps lost."""
+        return self.lookup.source(req) if self.lookup.match_length(req.all_ids) else "inner"
 
     def begin(self, req: Request, prompt_hidden: torch.Tensor) -> None:
         self.lookup.begin(req, prompt_hidden)

@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     from specdecode.request import Request
 
 
+# Match lengths the load policy counts apart (`PromptLookupDrafter.source`): 1, 2, 3, and this many or more.
+MATCH_WAYS = 4
+
+
 class PromptLookupDrafter(Drafter):
     """Proposes the continuation of the most recent earlier occurrence of the longest matching
     suffix n-gram; with `fallback` (a draft model), lets it draft when nothing matches.
@@ -63,6 +67,21 @@ class PromptLookupDrafter(Drafter):
         self.last_source = "none"
 
     # ---- Drafter interface ---------------------------------------------------------------------
+
+    def source(self, req: Request) -> str:
+        """Its way now, for the load policy: "lookup:1" .. "lookup:4", graded by how many tokens
+        of the text's end its continuation's occurrence shares (4: four or more; `match_length`;
+        acceptance is counted per grade, the copy's cost once); where nothing matches,
+        "fallback" when a draft model drafts, else "lookup:0" (a look-up that finds nothing
+        costs what one that finds something does; its step is plain).
+
+        How sure a copy is depends on that length: SmolLM2 on 12 Spec-Bench first turns, four
+        tokens drafted every step, accepted 0.55 a step after a match of one token (one in four
+        steps had its first right), 0.93 after two, 1.3 after three and 2.6-2.9 after four or
+        more (the first right in 80-100%). Counted as one way, the policy granted every step the
+        budget of their mixture: too much after a weak match and too little after a strong one."""
+        length = self.match_length(req.all_ids)
+        return "fallback" if not length and self.fallback is not None else f"lookup:{length}"
 
     def begin(self, req: Request, prompt_hidden: torch.Tensor) -> None:
         """Reset the index (it is rebuilt from `req.all_ids` on the first propose) and start the
@@ -119,20 +138,36 @@ class PromptLookupDrafter(Drafter):
             room -= len(cont)
         return out
 
+    def match_length(self, ids: list[int]) -> int:
+        """How many tokens at the end of `ids` the best continuation's occurrence also ends with
+        (its n-gram, then as far back as the two agree; at most MATCH_WAYS): 0 where nothing
+        matches. A longer match is a surer draft (see `source`)."""
+        ends = self._ends(ids, 1)
+        if not ends:
+            return 0
+        end, length, n = ends[0], len(ids), 1
+        while n < MATCH_WAYS and n < end and ids[end - n - 1] == ids[length - n - 1]:
+            n += 1
+        return n
+
     def _continuations(self, ids: list[int], max_tokens: int, limit: int) -> list[list[int]]:
         """Up to `limit` continuations (each up to `max_tokens`) of earlier occurrences of suffix
         n-grams, longest n first, newest first, with pairwise different first tokens."""
+        return [ids[end : end + max_tokens] for end in self._ends(ids, limit)]
+
+    def _ends(self, ids: list[int], limit: int) -> list[int]:
+        """The ends of up to `limit` earlier occurrences of suffix n-grams, longest n first, newest
+        first, whose next tokens differ pairwise."""
         self._catch_up(ids)
         length = len(ids)
-        found: list[list[int]] = []
+        found: list[int] = []
         firsts: set[int] = set()
         # An earlier occurrence ends at or before length-1, so it needs n <= length-1.
         for n in range(min(self.max_ngram, length - 1), 0, -1):
             for end in self._last_end.get(tuple(ids[length - n :]), ()):
-                cont = ids[end : end + max_tokens]
-                if cont[0] not in firsts:
-                    firsts.add(cont[0])
-                    found.append(cont)
+                if ids[end] not in firsts:
+                    firsts.add(ids[end])
+                    found.append(end)
                     if len(found) == limit:
                         return found
         return found

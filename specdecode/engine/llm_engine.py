@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.attention import AttentionPlan, Segment
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, cost_way
 from specdecode.engine.config import EngineConfig
 from specdecode.engine.drafter_factory import DrafterFactory
 from specdecode.engine.graphs import GraphRunner
@@ -151,9 +151,10 @@ class EngineStats:
     # way): what the load policy's acceptance estimates read.
     ways: dict[tuple[str, str], SpecStats] = field(default_factory=dict)
     # Each method's drafting seconds per draft token, over its requests, for each of its ways of
-    # drafting (`Drafter.source`; "" for a drafter of one way): the lower median of its last
-    # COST_SAMPLES proposals' figures (`record_cost`), so that one slow `propose` (a pause, a
-    # neighbour on the machine) cannot make the method look costly to every request after it.
+    # drafting (`Drafter.source` without its grade, `cost_way`; "" for a drafter of one way):
+    # the lower median of its last COST_SAMPLES proposals' figures (`record_cost`), so that one
+    # slow `propose` (a pause, a neighbour on the machine) cannot make the method look costly to
+    # every request after it.
     draft_cost: dict[tuple[str, str], float] = field(default_factory=dict)
     draft_cost_samples: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     # Seconds from a request's arrival to its first token, and per output token after the first
@@ -440,9 +441,10 @@ class LLMEngine:
                     # prompt (a draft model's prefill: 13 ms a token instead of 7 for the Qwen
                     # 0.5B). The next figure is taken whole: averaged in from zero, a draft model's
                     # forwards looked cheap for its request's first ten steps.
-                    cost = seq.draft_costs.get(seq.source, 0.0)
-                    seq.draft_costs[seq.source] = cost + (EMA if cost > 0 else 1.0) * (spent / k - cost)
-                    self.stats.record_cost(seq.method, seq.source, spent / k)
+                    way = cost_way(seq.source)
+                    cost = seq.draft_costs.get(way, 0.0)
+                    seq.draft_costs[way] = cost + (EMA if cost > 0 else 1.0) * (spent / k - cost)
+                    self.stats.record_cost(seq.method, way, spent / k)
                 seq.idle_steps = 0
             elif seq.drafter is not None:
                 # Not measured this step: let the estimate drift to its method's, so that one slow
@@ -526,7 +528,9 @@ class LLMEngine:
                 depth,
                 FORGET**seq.idle_steps,
             )
-            cost = seq.draft_costs.get(seq.source) or self.stats.draft_cost.get(way, 0.0)
+            # Costs are kept per way, its grade left off: a copy costs the same whatever its match.
+            cost_key = cost_way(seq.source)
+            cost = seq.draft_costs.get(cost_key) or self.stats.draft_cost.get((seq.method, cost_key), 0.0)
             candidates.append(Candidate(depth, rates, cost))
         chosen = iter(self.policy.budgets(candidates, base_tokens, rows) if candidates else [])
         out = [next(chosen) if k is None else k for k in fixed]

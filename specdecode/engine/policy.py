@@ -17,8 +17,9 @@ The policy maximises the batch's expected tokens per second under two measured m
   lookup, a draft model's forwards for draft_model; before it has one, its method's: the lower
   median of the method's last COST_SAMPLES proposals, which one slow proposal does not move),
   kept apart for each way a drafter drafts (`Drafter.source`: a trained head's lookup branch
-  copies from the text for next to nothing, where the head's chain costs a head forward a token)
-  and taken for the way this step's proposal will take.
+  copies from the text for next to nothing, where the head's chain costs a head forward a token;
+  a copy's ways are its match lengths, the surer the longer) and taken for the way this step's
+  proposal will take. The acceptance counts below are kept per way too.
 - gain: a request's d-th draft token adds `p_d` expected tokens, the chance that its draft's
   first d tokens are accepted: a product of per-depth conditional rates (the request's own
   counts, shrunk towards its method's engine-wide rates, which start from an optimistic 0.8),

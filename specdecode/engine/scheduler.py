@@ -39,9 +39,10 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     num_cached_prompt_tokens: int = 0  # prompt tokens whose KV came from reused blocks
     started: bool = False  # the drafter has been told the prompt is cached (`begin`)
-    # Running averages of drafting seconds per draft token and its drafting steps' counts, by
-    # the drafter's way of drafting (`Drafter.source`), and the way this step's proposal takes
-    # (set when budgets are chosen).
+    # Running averages of drafting seconds per draft token, by the drafter's way of drafting
+    # (`Drafter.source` without its grade: `cost_way`), its drafting steps' counts by way and
+    # grade (`Drafter.source`), and the way this step's proposal takes (set when budgets are
+    # chosen).
     draft_costs: dict[str, float] = field(default_factory=dict)
     ways: dict[str, SpecStats] = field(default_factory=dict)
     source: str = ""
