@@ -58,7 +58,8 @@ class LookupBranch(Drafter):
         "inner", the inner drafter's chain (SmolLM2's EAGLE head: ~1.2 ms a token on a 2-core
         Xeon, a head forward a depth). Costed as one, the look-ups' steps made the head's look 4x
         cheaper than it was: the policy granted it 5 tokens where 2 paid, and those steps lost."""
-        return self.lookup.source(req) if self.lookup.match_length(req.all_ids) else "inner"
+        length = self.lookup.match_length(req.all_ids)  # the look-up once, not again in `lookup.source`
+        return f"lookup:{length}" if length else "inner"
 
     def begin(self, req: Request, prompt_hidden: torch.Tensor) -> None:
         self.lookup.begin(req, prompt_hidden)
