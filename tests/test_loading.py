@@ -487,7 +487,9 @@ def test_real_second_resolve_is_fast() -> None:
 def test_the_collector_is_paused_while_a_model_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`LLM(...)` loads with Python's cyclic garbage collector off (its collections rescanned the
     load's long-lived objects again and again: a quarter of SmolLM2's load) and leaves it as it
-    found it: on, off, or on after a load that failed."""
+    found it: on, off, or on after a load that failed. A load that succeeds with the collector on
+    ends with a full collection, so that the first requests do not pay for scanning the load's
+    objects again: they are in the oldest generation when `LLM(...)` returns."""
     import gc
 
     from specdecode import llm as llm_module
@@ -502,12 +504,14 @@ def test_the_collector_is_paused_while_a_model_loads(tmp_path: Path, monkeypatch
     monkeypatch.setattr(llm_module, "load_target", spy)
     tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
     assert gc.isenabled()
-    llm_module.LLM(str(tiny.path), progress=False)
+    llm = llm_module.LLM(str(tiny.path), progress=False)
     assert seen == [False] and gc.isenabled()
+    assert any(o is llm.model for o in gc.get_objects(generation=2))
     gc.disable()
     try:
-        llm_module.LLM(str(tiny.path), progress=False)
+        llm = llm_module.LLM(str(tiny.path), progress=False)
         assert seen == [False, False] and not gc.isenabled()
+        assert not any(o is llm.model for o in gc.get_objects(generation=2))  # no collection asked for
     finally:
         gc.enable()
     with pytest.raises(SpecDecodeError):
