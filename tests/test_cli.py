@@ -306,20 +306,32 @@ def test_bench_peer_takes_turns_and_reports_medians_of_within_run_ratios(tmp_pat
 
 
 def test_bench_peer_explains_a_llama_cpp_build_this_cpu_cannot_run(tmp_path: Path) -> None:
-    """bench-peer loads the GGUF in llama.cpp in a child process first: a build for instructions
-    the CPU lacks dies of SIGILL (an Intel Xeon's native build did), which in-process would kill
-    the benchmark unexplained; it gets a clear error saying how to rebuild, and a load that fails
-    otherwise, or hangs, names the failure. (Stand-in child processes: llama.cpp is an optional extra.)"""
-    from specdecode.bench.peer import check_llama_runs
+    """bench-peer runs the GGUF in llama.cpp in a child process first, over the warm-up prompt
+    and one token after it with the run's threads: a build for instructions the CPU lacks dies
+    (SIGILL on one Xeon; SIGSEGV on another once a prompt had two tokens), which in-process would
+    kill the benchmark unexplained; it gets a clear error saying how to rebuild, and a load that
+    fails otherwise, or hangs, names the failure. (Stand-in child processes: llama.cpp is an
+    optional extra.)"""
+    from specdecode.bench.peer import PROBE, check_llama_runs
     from specdecode.errors import SpecDecodeError
 
     model = tmp_path / "m.gguf"
-    dies = "import os, signal; print({path!r}); os.kill(os.getpid(), signal.SIGILL)"
-    with pytest.raises(SpecDecodeError, match=r"died of SIGILL running m\.gguf.*GGML_NATIVE=OFF"):
-        check_llama_runs(model, dies)
+    ids = [1, 9690, 28]
+    for sig in ("SIGILL", "SIGSEGV"):
+        dies = "import os, signal; print({path!r}); os.kill(os.getpid(), signal.SIG)".replace("SIG", sig)
+        with pytest.raises(SpecDecodeError, match=rf"died of {sig} running m\.gguf.*GGML_NATIVE=OFF"):
+            check_llama_runs(model, ids, 2, dies)
     fails = "import sys; sys.exit('failed to load model from ' + {path!r})"
     with pytest.raises(SpecDecodeError, match=r"could not load m\.gguf: failed to load model from .*m\.gguf"):
-        check_llama_runs(model, fails)
-    with pytest.raises(SpecDecodeError, match=r"took over 0.5 s to load m\.gguf"):
-        check_llama_runs(model, "import time; time.sleep(30)", timeout=0.5)
-    check_llama_runs(model, "assert {path!r}.endswith('m.gguf')")  # loads: no error
+        check_llama_runs(model, ids, 2, fails)
+    with pytest.raises(SpecDecodeError, match=r"took over 0.5 s to run m\.gguf"):
+        check_llama_runs(model, ids, 2, "import time; time.sleep(30)", timeout=0.5)
+    # runs: no error; the child gets the prompt and the threads
+    runs = "assert {path!r}.endswith('m.gguf') and {ids!r} == [1, 9690, 28] and {threads} == 2"
+    check_llama_runs(model, ids, 2, runs)
+    with pytest.raises(SpecDecodeError, match="could not load"):
+        check_llama_runs(model, ids, 3, "assert {threads} == 2")
+    # the real probe: the whole prompt, then a token after it, with the benchmark's threads
+    code = PROBE.format(path=str(model), ids=ids, threads=2)
+    compile(code, "probe", "exec")
+    assert "m.eval([1, 9690, 28])" in code and "n_threads=2" in code and "m.eval([m.sample(" in code

@@ -77,24 +77,30 @@ PORTABLE_BUILD = (
     '-DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON]" pip install --force-reinstall --no-deps --no-cache-dir '
     "llama-cpp-python"
 )
-# Load a GGUF and evaluate two tokens: what a build whose instructions the CPU refuses dies on.
+# Load a GGUF, take in a prompt and decode one token after it, as the benchmark will. A prompt of
+# one token is not enough: a native build on a Xeon whose AMX the VM refuses (session 51) ran one
+# token and died of SIGSEGV on the next prompt of two or more, which take llama.cpp's batched
+# (AMX) products.
 PROBE = (
-    "from llama_cpp import Llama; m = Llama(model_path={path!r}, n_ctx=64, n_threads=1, verbose=False); "
-    "m.eval(m.tokenize(b'Hello'))"
+    "from llama_cpp import Llama; m = Llama(model_path={path!r}, n_ctx=4096, n_threads={threads}, "
+    "n_threads_batch={threads}, n_batch=512, verbose=False); m.eval({ids!r}); m.eval([m.sample(top_k=1)])"
 )
 
 
-def check_llama_runs(path: Path, probe: str = PROBE, timeout: float = 900.0) -> None:
-    """Load `path` in llama.cpp once in a child process first. A llama-cpp-python built for
-    instructions this CPU does not run dies by a signal (SIGILL: on an Intel Xeon with AMX, session
-    31, its native build did on the first model it ran), which would take the benchmark with it,
-    unexplained."""
-    code = probe.format(path=str(path))
+def check_llama_runs(
+    path: Path, ids: list[int], threads: int = 1, probe: str = PROBE, timeout: float = 900.0
+) -> None:
+    """Run `path` in llama.cpp once in a child process first, over the prompt `ids` and one token
+    after it, with `threads`. A llama-cpp-python built for instructions this CPU does not run dies
+    by a signal (SIGILL: on an Intel Xeon with AMX, session 31, its native build did on the first
+    model it ran; SIGSEGV on another, session 51, once a prompt had two tokens), which would take
+    the benchmark with it, unexplained."""
+    code = probe.format(path=str(path), ids=list(ids), threads=threads)
     try:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise SpecDecodeError(
-            f"llama.cpp took over {timeout:g} s to load {path.name} (in a test process)"
+            f"llama.cpp took over {timeout:g} s to run {path.name} (in a test process)"
         ) from None
     if proc.returncode < 0:
         name = signal.Signals(-proc.returncode).name
@@ -125,7 +131,7 @@ def llama_cpp_engines(path: Path, args: argparse.Namespace, warm: list[int]) -> 
     """llama.cpp plain and with its prompt lookup, each a loaded instance, warmed up on `warm`."""
     if importlib.util.find_spec("llama_cpp") is None:
         raise SpecDecodeError(NEEDS_PEER)
-    check_llama_runs(path)
+    check_llama_runs(path, warm, args.threads)
     engines: list[tuple[str, Engine]] = []
     for lookup in (False, True):
         llama = _llama(path, args.threads, lookup)
