@@ -81,9 +81,12 @@ PORTABLE_BUILD = (
 # one token is not enough: a native build on a Xeon whose AMX the VM refuses (session 51) ran one
 # token and died of SIGSEGV on the next prompt of two or more, which take llama.cpp's batched
 # (AMX) products.
+# The benchmark's llama.cpp window and prompt batch (`_llama`), which the probe takes too.
+N_CTX, N_BATCH = 4096, 512
 PROBE = (
-    "from llama_cpp import Llama; m = Llama(model_path={path!r}, n_ctx=4096, n_threads={threads}, "
-    "n_threads_batch={threads}, n_batch=512, verbose=False); m.eval({ids!r}); m.eval([m.sample(top_k=1)])"
+    f"from llama_cpp import Llama; m = Llama(model_path={{path!r}}, n_ctx={N_CTX}, n_threads={{threads}}, "
+    f"n_threads_batch={{threads}}, n_batch={N_BATCH}, verbose=False); m.eval({{ids!r}}); "
+    "m.eval([m.sample(top_k=1)])"
 )
 
 
@@ -95,7 +98,7 @@ def check_llama_runs(
     by a signal (SIGILL: on an Intel Xeon with AMX, session 31, its native build did on the first
     model it ran; SIGSEGV on another, session 51, once a prompt had two tokens), which would take
     the benchmark with it, unexplained."""
-    code = probe.format(path=str(path), ids=list(ids), threads=threads)
+    code = probe.format(path=str(path), ids=ids, threads=threads)
     try:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -122,7 +125,7 @@ def _llama(path: Path, threads: int, lookup: bool) -> Any:
     draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None
     # logits_all: without it, llama-cpp-python 0.3.36's prompt lookup fails on prompts over 512 tokens
     return Llama(
-        model_path=str(path), n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512,
+        model_path=str(path), n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads, n_batch=N_BATCH,
         draft_model=draft, logits_all=lookup, verbose=False,
     )  # fmt: skip
 
