@@ -766,6 +766,15 @@ def test_prompt_lookup_counts_acceptance_by_match_length(setup) -> None:
     drafted = sum(s.proposed_by_position[0] for s in ways.values() if s.proposed_by_position)
     assert drafted == engine.stats.proposed_by_position["prompt_lookup"][0] > 0
     assert set(seq.draft_costs) == {"lookup"} and ("prompt_lookup", "lookup") in engine.stats.draft_cost
+    # A copy after a match of g < 4 tokens drafts at most g (`copy_limit`), though the flat curve
+    # makes every row look free; a match of four or more drafts deeper.
+    # (proposed_by_position[d]: steps that drafted a (d+1)-th token)
+    for source, counts in ways.items():
+        grade = int(source.partition(":")[2])
+        if grade < 4:
+            assert not any(counts.proposed_by_position[grade:]), (source, counts.proposed_by_position)
+    assert any(ways["lookup:4"].proposed_by_position[3:]), ways["lookup:4"].proposed_by_position
+    assert any(grade in ways for grade in ("lookup:1", "lookup:2", "lookup:3")), ways
 
 
 @pytest.mark.real

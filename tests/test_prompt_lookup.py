@@ -167,6 +167,8 @@ def test_match_length_names_the_way(ids: list[int], length: int) -> None:
     drafter = PromptLookupDrafter(PromptLookupConfig(max_matching_ngram_size=2))
     assert drafter.match_length(ids) == length
     assert drafter.source(fake(ids)) == (f"lookup:{length}")
+    # the load policy grants a copy after a match of 1-3 tokens at most that many (`copy_limit`)
+    assert drafter.way_limit(drafter.source(fake(ids))) == (length if 0 < length < 4 else None)
     with_fallback = PromptLookupDrafter(PromptLookupConfig(), RecordingDrafter())
     assert with_fallback.source(fake(ids)) == (f"lookup:{length}" if length else "fallback")
 

@@ -57,6 +57,11 @@ class Drafter(ABC):
         text's end): acceptance is counted per graded way, drafting cost per way (`cost_way`)."""
         return ""
 
+    def way_limit(self, source: str) -> int | None:
+        """The most draft tokens the load policy may grant a step that drafts the way `source`
+        (one of this drafter's `source` values), or None: as many as it proposes."""
+        return None
+
     def begin(self, req: Request, prompt_hidden: torch.Tensor) -> None:  # noqa: B027
         """Called once after prefill; `prompt_hidden` (P-1, C) holds the target's rows of prompt
         positions 0 .. P-2 (see the module's prefill contract)."""

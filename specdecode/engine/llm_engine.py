@@ -514,10 +514,14 @@ class LLMEngine:
         candidates = []
         for seq in [s for s, k in zip(decoding, fixed, strict=True) if k is None]:
             assert seq.drafter is not None
-            depth = min(seq.max_step - 1, seq.drafter.max_chain)  # a tree drafter's chain, budgeted
             # What a chain is worth and costs depends on the way it is drafted (a lookup branch's
-            # copy from the text, or its head's guess): each way has its counts and its cost.
+            # copy from the text, or its head's guess): each way has its counts, its cost and its
+            # limit (a copy after a short match: `Drafter.way_limit`).
             seq.source = seq.drafter.source(seq.req)
+            depth = min(seq.max_step - 1, seq.drafter.max_chain)  # a tree drafter's chain, budgeted
+            limit = seq.drafter.way_limit(seq.source)
+            if limit is not None:
+                depth = min(depth, limit)
             way = seq.method, seq.source
             own, method = seq.ways.get(seq.source) or SpecStats(), self.stats.ways.get(way) or SpecStats()
             rates = accept_rates(
