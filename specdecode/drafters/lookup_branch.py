@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.drafters.base import Drafter, Proposal, StepResult
-from specdecode.drafters.prompt_lookup import PromptLookupDrafter, copy_limit
+from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.spec_config import PromptLookupConfig
 from specdecode.tree import DraftTree
 
@@ -60,10 +60,6 @@ class LookupBranch(Drafter):
         cheaper than it was: the policy granted it 5 tokens where 2 paid, and those steps lost."""
         length = self.lookup.match_length(req.all_ids)  # the look-up once, not again in `lookup.source`
         return f"lookup:{length}" if length else "inner"
-
-    def way_limit(self, source: str) -> int | None:
-        """A copy's, as prompt lookup's (`copy_limit`); the inner drafter's chain, none."""
-        return copy_limit(source)
 
     def begin(self, req: Request, prompt_hidden: torch.Tensor) -> None:
         self.lookup.begin(req, prompt_hidden)

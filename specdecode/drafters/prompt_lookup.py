@@ -24,16 +24,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdecode.drafters.base import Drafter, Proposal, StepResult
+from specdecode.drafters.base import MATCH_WAYS, Drafter, Proposal, StepResult
 from specdecode.spec_config import PromptLookupConfig
 from specdecode.tree import DraftTree
 
 if TYPE_CHECKING:
     from specdecode.request import Request
-
-
-# Match lengths the load policy counts apart (`PromptLookupDrafter.source`): 1, 2, 3, and this many or more.
-MATCH_WAYS = 4
 
 
 class PromptLookupDrafter(Drafter):
@@ -82,10 +78,6 @@ class PromptLookupDrafter(Drafter):
         budget of their mixture: too much after a weak match and too little after a strong one."""
         length = self.match_length(req.all_ids)
         return "fallback" if not length and self.fallback is not None else f"lookup:{length}"
-
-    def way_limit(self, source: str) -> int | None:
-        """A copy's: at most its grade below MATCH_WAYS (`copy_limit`); the fallback's, none."""
-        return copy_limit(source)
 
     def begin(self, req: Request, prompt_hidden: torch.Tensor) -> None:
         """Reset the index (it is rebuilt from `req.all_ids` on the first propose) and start the
@@ -192,22 +184,6 @@ class PromptLookupDrafter(Drafter):
                 ends.insert(0, end)
                 del ends[keep:]
         self._indexed = max(self._indexed, len(ids) - 1)
-
-
-def copy_limit(source: str) -> int | None:
-    """The most tokens the load policy grants a copy of way `source` ("lookup:g", from `source`):
-    g where its occurrence shares g < MATCH_WAYS tokens with the text's end, else None (no limit,
-    or not a copy).
-
-    Why: the policy weighs each deeper token by an upper bound on its acceptance, and after a
-    short match those bounds outran what the deeper tokens earned against their rows. SmolLM2 with
-    int8 activations on a 2-core Xeon, 48 Spec-Bench first turns of 256 tokens, engines taking
-    turns, decoding alone over plain: prompt lookup 1.323x against 1.269x, EAGLE-2 (its lookup
-    branch) 1.247x against 1.206x (session 52)."""
-    way, _, grade = source.partition(":")
-    if way != "lookup" or not grade.isdigit() or not 0 < int(grade) < MATCH_WAYS:
-        return None
-    return int(grade)
 
 
 def candidate_tree(candidates: list[list[int]]) -> DraftTree:
