@@ -3,9 +3,10 @@
 Each head keeps its own layouts (which tensors, which config keys, how a reference checkpoint is
 renamed); what is the same for all of them lives here: a directory holding one weights file and a
 `config.json`, tensors read from safetensors or a torch pickle, a state dict loaded with shape
-checks, the heads shipped in `specdecode/heads/<model>/<method>/`, and the size check against the
-target. `what` names the head in error messages ("EAGLE", "Medusa", ...), so a user sees which
-checkpoint is wrong.
+checks, the heads shipped in `specdecode/heads/<model>/<method>/`, the size check against the
+target, and a draft vocabulary (the token ids a head drafts from: stored beside its weights, read
+through the target's LM head over just those columns). `what` names the head in error messages
+("EAGLE", "Medusa", ...), so a user sees which checkpoint is wrong.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import torch
 from torch import Tensor, nn
 
 from specdecode.errors import SpecDecodeError
+from specdecode.layers.lm_head import DraftHead
 from specdecode.models.transformer import Transformer
 
 CONFIG = "config.json"
+DRAFT_VOCAB = "draft_vocab"  # optional tensor of a weights file: the ids the head drafts from
 M = TypeVar("M", bound=nn.Module)
 SHIPPED = Path(__file__).resolve().parents[1] / "heads"
 
@@ -202,3 +205,34 @@ def check_fits(
             f"{source} {was} trained for another target: hidden size {hidden_size}, vocabulary "
             f"{vocab_size}; this target has hidden size {cfg.hidden_size}, vocabulary {cfg.vocab_size}"
         )
+
+
+def draft_vocab(tensors: dict[str, Tensor], vocab_size: int, file: Path) -> Tensor | None:
+    """The draft vocabulary (V',) long, sorted, taken out of a checkpoint's `tensors` (None where it
+    has none), or an error naming `file` when it is not a list of 1 .. V distinct ids below V."""
+    vocab = tensors.pop(DRAFT_VOCAB, None)
+    if vocab is None:
+        return None
+    if vocab.dim() != 1 or not 0 < vocab.numel() <= vocab_size:
+        raise SpecDecodeError(f"{file}: {DRAFT_VOCAB} must list 1 to {vocab_size} ids")
+    vocab = vocab.long()
+    if bool(((vocab < 0) | (vocab >= vocab_size)).any()):
+        raise SpecDecodeError(f"{file}: {DRAFT_VOCAB} holds ids outside the vocabulary of {vocab_size}")
+    return torch.unique(vocab)
+
+
+class DraftColumns:
+    """The target's LM head over a head's draft vocabulary (all of it where None), as the target's
+    kernels read it for drafts (`Transformer.approx_head`: approximate products where they offer
+    them, a draft needs plausible, not exact, logits), made when first asked for and remade when
+    the head or the vocabulary changes."""
+
+    def __init__(self) -> None:
+        self._made: tuple[tuple[Any, ...], DraftHead] | None = None
+
+    def __call__(self, target: Transformer, vocab: Tensor | None) -> DraftHead:
+        ids = None if vocab is None else (vocab.data_ptr(), vocab._version, vocab.numel())
+        key = (target.head.key(), ids)
+        if self._made is None or self._made[0] != key:
+            self._made = key, target.approx_head(vocab)
+        return self._made[1]

@@ -71,7 +71,6 @@ if TYPE_CHECKING:
     from specdecode.request import Request
 
 WEIGHTS = "eagle.safetensors"
-DRAFT_VOCAB = "draft_vocab"  # optional tensor of the weights file: the ids the head drafts from
 REFERENCE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 LAYOUTS = checkpoint.Layouts(
     "EAGLE head", "eagle", "an EAGLE", WEIGHTS, REFERENCE_WEIGHTS, f" + {CONFIG} (EAGLE reference)"
@@ -106,7 +105,7 @@ class EagleHead(nn.Module):
         super().__init__()
         self.layer_config = dataclasses.replace(layer, num_layers=1)
         self.draft_vocab = None if draft_vocab is None else torch.unique(draft_vocab.long())  # (V',) sorted
-        self._draft_head: tuple[tuple[int, int], DraftHead] | None = None
+        self._draft_head = checkpoint.DraftColumns()
         self.hidden_size, self.vocab_size = layer.hidden_size, layer.vocab_size
         self.fc_bias, self.input_norm = fc_bias, input_norm
         self.choices = None if choices is None else [list(c) for c in choices]
@@ -122,12 +121,8 @@ class EagleHead(nn.Module):
 
     def draft_head(self, target: Transformer) -> DraftHead:
         """The target's LM head over the draft vocabulary, as the target's kernels read it for
-        drafts (approximate, bfloat16 products, where they offer that: a draft needs plausible,
-        not exact, logits), cached and remade when the head changes."""
-        key = target.head.key()
-        if self._draft_head is None or self._draft_head[0] != key:
-            self._draft_head = key, target.approx_head(self.draft_vocab)
-        return self._draft_head[1]
+        drafts (`checkpoint.DraftColumns`)."""
+        return self._draft_head(target, self.draft_vocab)
 
     def new_cache(self, max_len: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
         return KVCache(self.layer_config, max_len, 1, dtype, device)
@@ -161,7 +156,7 @@ class EagleHead(nn.Module):
         return out
 
     def saved(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
-        vocab = {} if self.draft_vocab is None else {DRAFT_VOCAB: self.draft_vocab.to("cpu", torch.int64)}
+        vocab = {} if self.draft_vocab is None else {checkpoint.DRAFT_VOCAB: self.draft_vocab.to("cpu")}
         fitted = {} if self.choices is None else {"eagle_choices": self.choices}
         return {**self.config(), **fitted}, vocab
 
@@ -196,16 +191,12 @@ def _load_ours(path: Path, config: dict[str, Any]) -> EagleHead:
             **{k: config[k] for k in LAYER_KEYS},
         )
         state = checkpoint.read_tensors(path / WEIGHTS, "EAGLE")
-        vocab = state.pop(DRAFT_VOCAB, None)
+        vocab = checkpoint.draft_vocab(state, layer.vocab_size, path / WEIGHTS)
         head = EagleHead(
             layer, bool(config["fc_bias"]), bool(config["input_norm"]), config.get("eagle_choices"), vocab
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecDecodeError(f"{path / CONFIG} is not a specdecode EAGLE config ({exc!r})") from None
-    if vocab is not None and (vocab.dim() != 1 or not 0 < vocab.numel() <= layer.vocab_size):
-        raise SpecDecodeError(f"{path / WEIGHTS}: {DRAFT_VOCAB} must list at most {layer.vocab_size} ids")
-    if vocab is not None and bool(((vocab < 0) | (vocab >= layer.vocab_size)).any()):
-        raise SpecDecodeError(f"{path / WEIGHTS}: {DRAFT_VOCAB} holds ids outside the vocabulary")
     checkpoint.load_state(head, state, path / WEIGHTS, "EAGLE")
     return head
 

@@ -140,7 +140,7 @@ class ReDrafterHead(nn.Module):
             "draft_vocab", torch.arange(draft_vocab_size, dtype=torch.long), persistent=False
         )
         self._sliced: tuple[tuple[int, int, torch.dtype], Tensor] | None = None
-        self._draft_head: tuple[tuple[int, int], DraftHead] | None = None
+        self._draft_head = checkpoint.DraftColumns()
 
     def lm_weight_t(self, target_weight_t: Tensor) -> Tensor:
         """The (C, K) columns of the target's (C, V) LM head for `draft_vocab` (all V without
@@ -156,12 +156,8 @@ class ReDrafterHead(nn.Module):
 
     def draft_head(self, target: Transformer) -> DraftHead:
         """The target's LM head over `draft_vocab` (all of it without one) as its kernels read
-        it for drafts (`Transformer.approx_head`), cached and remade when the head changes."""
-        key = target.head.key()
-        if self._draft_head is None or self._draft_head[0] != key:
-            columns = self.draft_vocab if self.draft_vocab.numel() else None
-            self._draft_head = key, target.approx_head(columns)
-        return self._draft_head[1]
+        it for drafts (`checkpoint.DraftColumns`)."""
+        return self._draft_head(target, self.draft_vocab if self.draft_vocab.numel() else None)
 
     def step(self, state: Tensor, embedding: Tensor) -> Tensor:
         """(..., C) state and (..., C) embedding of the beam's last token -> (..., C) next state."""
@@ -193,7 +189,7 @@ class ReDrafterHead(nn.Module):
         return self.lm_head(feats)
 
     def saved(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
-        vocab = {"draft_vocab": self.draft_vocab.to("cpu")} if self.draft_vocab.numel() else {}
+        vocab = {checkpoint.DRAFT_VOCAB: self.draft_vocab.to("cpu")} if self.draft_vocab.numel() else {}
         return self.config(), vocab
 
     def config(self) -> dict[str, Any]:
@@ -332,7 +328,7 @@ def load_head(
 def _load_ours(root: Path, config: dict[str, Any]) -> ReDrafterHead:
     head = _build(config, root / CONFIG, "num_layers", bool(config.get("shared_lm_head", True)))
     tensors = checkpoint.read_tensors(root / WEIGHTS, "ReDrafter")
-    vocab = tensors.pop("draft_vocab", head.draft_vocab)
+    vocab = tensors.pop(checkpoint.DRAFT_VOCAB, head.draft_vocab)
     if vocab.shape != head.draft_vocab.shape:
         raise SpecDecodeError(f"{root / WEIGHTS}: draft_vocab does not match draft_vocab_size in {CONFIG}")
     checkpoint.load_state(head, tensors, root / WEIGHTS, "ReDrafter")

@@ -220,28 +220,6 @@ def objective(
     return pipeline.Objective(head, loss_fn, len(data), settings, metric="acc", desc="eagle", clip_norm=0.5)
 
 
-def draft_vocabulary(data: Features, size: int, vocab_size: int) -> Tensor | None:
-    """The `size` token ids a head drafts from (None: all): every token the assistant wrote in
-    the training data, most frequent first, then the lowest unseen ids (BPE vocabularies put
-    their most common merges first). Sorted ascending."""
-    if size <= 0 or size >= vocab_size:
-        return None
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for ids, mask in zip(data.ids, data.mask, strict=True):
-        counts += torch.bincount(ids[mask], minlength=vocab_size)
-    seen = counts.argsort(descending=True, stable=True)[: int((counts > 0).sum())]
-    unseen = (counts == 0).nonzero().squeeze(1)
-    return torch.cat([seen, unseen])[:size].sort().values
-
-
-def coverage(data: Features, vocab: Tensor | None) -> float:
-    """Share of the assistant's tokens in `data` that `vocab` holds."""
-    if vocab is None:
-        return 1.0
-    tokens = torch.cat([ids[mask] for ids, mask in zip(data.ids, data.mask, strict=True)])
-    return float(torch.isin(tokens, vocab).float().mean()) if tokens.numel() else float("nan")
-
-
 @torch.no_grad()
 def depth_rank_counts(
     head: EagleHead, target: Transformer, data: Features, depth: int, vocab: Tensor | None = None
@@ -302,7 +280,8 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         print(f"starting from the head in {settings.init}")
     else:
         head = EagleHead.for_target(target.config).to(target.device)
-        head.draft_vocab = draft_vocabulary(prep.train, settings.draft_vocab, target.config.vocab_size)
+        vocab_size = target.config.vocab_size
+        head.draft_vocab = pipeline.draft_vocabulary(prep.train, settings.draft_vocab, vocab_size)
     t0 = time.perf_counter()
     task = objective(head, target, prep.train, settings)
     figures = pipeline.train_loop(task, out / "cache" / pipeline.STATE)
@@ -316,7 +295,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         "heldout_top1_by_depth": ranks.top1,
         "heldout_top5_by_depth": ranks.top5,
         "heldout_positions": int(counts[0].sum()),
-        "draft_vocab_heldout_coverage": round(coverage(prep.heldout, head.draft_vocab), 4),
+        "draft_vocab_heldout_coverage": round(pipeline.coverage(prep.heldout, head.draft_vocab), 4),
         "train_sequences": len(prep.train),
         "train_positions": positions,
         "train_top1": round(figures["acc"], 4) if math.isfinite(figures["acc"]) else None,

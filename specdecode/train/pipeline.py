@@ -270,6 +270,28 @@ def draft_columns(lm_weight: Tensor, vocab: Tensor | None) -> tuple[Tensor, Tens
     return lm_weight[:, vocab], column
 
 
+def draft_vocabulary(data: Features, size: int, vocab_size: int) -> Tensor | None:
+    """The `size` token ids a head drafts from (None: all): every token the assistant wrote in
+    the training data, most frequent first, then the lowest unseen ids (BPE vocabularies put
+    their most common merges first). Sorted ascending."""
+    if size <= 0 or size >= vocab_size:
+        return None
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids, mask in zip(data.ids, data.mask, strict=True):
+        counts += torch.bincount(ids[mask], minlength=vocab_size)
+    seen = counts.argsort(descending=True, stable=True)[: int((counts > 0).sum())]
+    unseen = (counts == 0).nonzero().squeeze(1)
+    return torch.cat([seen, unseen])[:size].sort().values
+
+
+def coverage(data: Features, vocab: Tensor | None) -> float:
+    """Share of the assistant's tokens in `data` that `vocab` holds."""
+    if vocab is None:
+        return 1.0
+    tokens = torch.cat([ids[mask] for ids, mask in zip(data.ids, data.mask, strict=True)])
+    return float(torch.isin(tokens, vocab).float().mean()) if tokens.numel() else float("nan")
+
+
 # ------------------------------------------------------------------------------------------------
 # The loop
 

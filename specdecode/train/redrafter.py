@@ -117,23 +117,6 @@ def drafter_logits(
     return head.lm_head(stacked)
 
 
-def draft_vocabulary(features: Features, size: int, vocab_size: int) -> Tensor:
-    """(K,) sorted: the `size` tokens the assistant wrote most often (ties: the lower id)."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for ids, mask in zip(features.ids, features.mask, strict=True):
-        counts += torch.bincount(ids[mask], minlength=vocab_size)
-    return torch.sort(counts, descending=True, stable=True).indices[:size].sort().values
-
-
-def coverage(features: Features, vocab: Tensor) -> float:
-    """Share of the assistant's tokens in `features` that `vocab` holds."""
-    largest = max(int(vocab.max()), *(int(ids.max()) for ids in features.ids))
-    inside = torch.zeros(largest + 1, dtype=torch.bool)
-    inside[vocab] = True
-    hits = sum(int(inside[ids[mask]].sum()) for ids, mask in zip(features.ids, features.mask, strict=True))
-    return hits / max(sum(int(mask.sum()) for mask in features.mask), 1)
-
-
 def redrafter_loss(
     logits: Tensor, labels: Tensor, soft: Tensor | None = None, distill: float = 0.0
 ) -> Tensor:
@@ -221,9 +204,10 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     lm_weight = target.head_weight_t().detach().to(target.dtype)  # (C, V), frozen
     embedding = target.embed.matrix().detach()  # (V, C), frozen
     vocab_share = 1.0
-    if 0 < settings.draft_vocab < cfg.vocab_size:
-        head.draft_vocab = draft_vocabulary(prep.train, settings.draft_vocab, cfg.vocab_size).to(device)
-        vocab_share = coverage(prep.heldout, head.draft_vocab.cpu())
+    vocab = pipeline.draft_vocabulary(prep.train, settings.draft_vocab, cfg.vocab_size)
+    if vocab is not None:
+        head.draft_vocab = vocab.to(device)
+        vocab_share = pipeline.coverage(prep.heldout, vocab)
     t0 = time.perf_counter()
     task = objective(head, embedding, lm_weight, train_set, settings)
     figures = pipeline.train_loop(task, out / "cache" / pipeline.STATE)
