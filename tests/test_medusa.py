@@ -267,6 +267,53 @@ def test_reference_layout_drafts_like_our_format(target: Transformer, tmp_path: 
     assert outs["ours"].stats == outs["pt"].stats == outs["safetensors"].stats
 
 
+def test_draft_vocabulary_limits_the_drafts(target: Transformer, tmp_path: Path) -> None:
+    """Heads with a draft vocabulary draft only its ids (tree and budgeted chain alike), as the
+    best of the whole head's logits among those ids, keep it on disk, and stay exact."""
+    heads = random_heads(target)
+    heads.draft_vocab = torch.arange(0, 96, 3)  # every third id
+    loaded = load_heads(save_heads(heads, tmp_path / "h", target="tiny", dtype=torch.float32))
+    assert loaded.draft_vocab is not None and loaded.draft_vocab.tolist() == list(range(0, 96, 3))
+    assert json.loads((tmp_path / "h" / "config.json").read_text())["draft_vocab_size"] == 32
+    drafter = MedusaDrafter(loaded, target)
+    req = Request(target, PROMPTS["mixed"], greedy(8), [], drafter.max_nodes)
+    drafter.begin(req, prefill(target, req))
+    tree, chain = drafter.propose(req).tree, drafter.propose(req, 2).tree
+    assert tree.num_nodes > 0 and all(t % 3 == 0 for t in tree.tokens.tolist() + chain.tokens.tolist())
+    # Head 0's top guess over the draft vocabulary is the best of the whole head's logits there.
+    logits = target.head_weight_t().T @ loaded.features(drafter.hidden, 1)[0]  # (V,)
+    assert chain.tokens[0] == 3 * int(logits[::3].argmax())
+    for name, prompt in PROMPTS.items():
+        spec = run(target, prompt, MedusaDrafter(loaded, target), greedy(24))
+        assert spec.output_ids == run(target, prompt, None, greedy(24)).output_ids, name
+    with pytest.raises(SpecDecodeError, match="rank 40, beyond the vocabulary of 32"):
+        MedusaDrafter(loaded, target, [[0], [40]])
+
+
+def test_bad_draft_vocabularies_are_named(target: Transformer, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    c, v = target.config.hidden_size, target.config.vocab_size
+    with pytest.raises(SpecDecodeError, match="needs the shared LM head"):
+        MedusaHeads(2, 1, c, v, shared_lm_head=False, draft_vocab=torch.arange(8))
+    heads = MedusaHeads(2, 1, c, v, draft_vocab=torch.arange(8))
+    assert heads.draft_head(target) is heads.draft_head(target)  # made once ...
+    first = heads.draft_head(target)
+    heads.draft_vocab = torch.arange(4)
+    assert heads.draft_head(target) is not first  # ... and anew for another vocabulary
+    save_heads(heads, tmp_path / "h", target="tiny")
+    weights = tmp_path / "h" / "medusa.safetensors"
+    tensors = load_file(str(weights))
+    for vocab, words in [
+        (torch.tensor([1, 2, v]), "outside the vocabulary"),
+        (torch.zeros(0, dtype=torch.long), "must list 1 to 96 ids"),
+        (torch.arange(6), "does not match draft_vocab_size"),
+    ]:
+        save_file({**tensors, "draft_vocab": vocab}, str(weights))
+        with pytest.raises(SpecDecodeError, match=words):
+            load_heads(tmp_path / "h")
+
+
 def test_heads_for_another_target_are_rejected(target: Transformer, tmp_path: Path) -> None:
     cfg = target.config
     with pytest.raises(SpecDecodeError, match="trained for another target: hidden size 32"):

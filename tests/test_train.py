@@ -29,10 +29,10 @@ from specdecode.sampling import SamplingParams
 from specdecode.train import features as features_module
 from specdecode.train.data import Sample, prompt, read_sharegpt, render, split
 from specdecode.train.features import Features, extract, run_batch
-from specdecode.train.medusa import IGNORE, TrainSettings, objective, positions
-from specdecode.train.pipeline import Common, Objective, train_loop
+from specdecode.train.medusa import IGNORE, Positions, TrainSettings, objective, positions, rank_counts
+from specdecode.train.pipeline import MAX_RANK, Common, Objective, train_loop
 from tests.alone import alone
-from tests.tiny import load_tiny_hf
+from tests.tiny import load_tiny_hf, randomized
 
 WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "big", "red", "and", "or", "why", "is", "it"]
 
@@ -397,6 +397,32 @@ def test_positions_label_each_head_within_the_answer() -> None:
     ]
 
 
+def test_rank_counts_read_the_draft_vocabulary(tiny: tuple[Transformer, Tokenizer]) -> None:
+    """With a draft vocabulary a label's rank is among its columns, as the drafter ranks them, and
+    a label outside it counts as missed (rank MAX_RANK); the loss softmaxes over those columns."""
+    model, _ = tiny
+    c, v = model.config.hidden_size, model.config.vocab_size
+    heads = randomized(lambda: MedusaHeads(1, 1, c, v), 0, 0.3)
+    hidden = torch.randn(6, c).half()
+    weight = model.head_weight_t().detach()
+    logits = heads(hidden.float(), weight)[0]  # (6, V)
+    vocab = logits[0].topk(5).indices.sort().values  # row 0's five best ids
+    inside, outside = int(logits[0].argmax()), int(logits[0].argmin())
+    labels = torch.tensor([[inside], [outside], [IGNORE], [inside], [inside], [inside]])
+    data = Positions(hidden, labels)
+    heads.draft_vocab = vocab
+    counts = rank_counts(heads, weight, data)  # (1, MAX_RANK + 1)
+    ranks = [int((logits[r, vocab] > logits[r, inside]).sum()) for r in (0, 3, 4, 5)]
+    expected = torch.bincount(torch.tensor([*ranks, MAX_RANK]), minlength=MAX_RANK + 1)
+    assert ranks[0] == 0 and torch.equal(counts[0], expected)
+    settings = TrainSettings(data="-", out="-", num_heads=1, progress=False)
+    with torch.no_grad():
+        loss, _ = objective(heads, weight, data, settings).loss(torch.tensor([0, 3]))
+        over_vocab = torch.log_softmax(logits[[0, 3]][:, vocab].float(), -1)
+        column = int((vocab == inside).nonzero())
+        assert torch.allclose(loss, -over_vocab[:, column].mean(), atol=1e-4)
+
+
 def tiny_setup(tiny: tuple[Transformer, Tokenizer], tmp: Path) -> tuple[Features, TrainSettings]:
     model, _ = tiny
     samples = random_samples(12, seed=4, low=2, high=6)
@@ -521,12 +547,14 @@ def test_train_command_end_to_end(
 ) -> None:
     """`specdecode train medusa` on a tiny ShareGPT file: heads, config and report written, the
     heads decode exactly like plain greedy, and a second run needs --resume."""
-    flags = ["--num-heads", "2", "--batch-size", "64", "--tree-nodes", "6"]
+    flags = ["--num-heads", "2", "--batch-size", "64", "--tree-nodes", "6", "--draft-vocab", "40"]
     argv, out, printed, report = run_train_command("medusa", tiny_chat_dir, tmp_path, flags, capsys)
-    assert "held-out top-1 accuracy per head" in printed
+    assert "held-out top-1 accuracy per head" in printed and "draft vocabulary: 40 ids" in printed
     assert len(report["heldout_top1"]) == 2 and report["heldout_tau"] >= 1.0
+    assert 0.5 < report["draft_vocab_heldout_coverage"] <= 1.0
     heads = load_heads(out)
     assert heads.num_heads == 2 and heads.choices is not None and len(heads.choices) == 6
+    assert heads.draft_vocab is not None and heads.draft_vocab.numel() == 40
     assert (out / "medusa.safetensors").stat().st_size < 100_000  # shared LM head: blocks only
 
     check_trained_run(tiny_chat_dir, argv, [{"method": "medusa", "heads": str(out)}], capsys)

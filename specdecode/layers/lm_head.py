@@ -132,6 +132,12 @@ class LMHead:
                 if first is not None:  # a view of the head's own blocks, no copy
                     return QuantizedHead.of_weight(first, self.kernels)
             return QuantizedHead.of_columns(self._dense.columns(columns.cpu()), DRAFT_FORMAT, self.kernels)
+        if columns is None and self.approximates and self.weight_t().dtype == torch.float32:
+            return self._approx_head()[0]  # the screening copy: one approximate copy of the head
+        return self._float_columns(columns)
+
+    def _float_columns(self, columns: Tensor | None) -> ApproxHead:
+        """A float head's `columns` (all where None), approximate where `subset` says."""
         head_t = self.weight_t().detach()
         if columns is not None:
             head_t = head_t[:, columns.to(head_t.device)]
@@ -144,8 +150,7 @@ class LMHead:
         norm (what bounds the screen's error)."""
         key = self.key()
         if self._approx is None or self._approx[0] != key:
-            head = self.subset(None)
-            assert isinstance(head, ApproxHead)  # a float head's (see `approximates`)
+            head = self._float_columns(None)
             with torch.inference_mode(False), torch.no_grad():
                 w = self.weight_t().detach().float()  # (C, V)
                 rounded = w.bfloat16().float()

@@ -8,6 +8,10 @@ heads trained with AdamW -> OUT/medusa.safetensors + OUT/config.json, with the t
 the heads' held-out accuracy -> a report of held-out acceptance: top-1 accuracy per head and τ of
 real Medusa decoding on held-out prompts.
 
+Heads draft from `--draft-vocab` ids (`pipeline.draft_vocabulary`: those the assistant wrote most
+often; 16384 by default, as EAGLE's; 0: all): the loss softmaxes over their columns and the fitted
+tree counts a token outside them as missed, as drafting reads them.
+
 Loss: at position t the target's state h_t (whose LM-head output is the token at t+1) trains
 head k to predict the token at t+2+k by cross-entropy, on tokens the assistant wrote; head k's
 loss is weighted 0.8^k, since a later head's guess only counts when the earlier ones were right.
@@ -45,6 +49,7 @@ class TrainSettings(pipeline.Common):
     num_heads: int = pipeline.flag(4, "heads, one per future token", least=1, steps=True)
     num_layers: int = pipeline.flag(1, "residual blocks per head", least=0, steps=True)
     tree_nodes: int = pipeline.flag(32, "nodes of the fitted tree", least=1)
+    draft_vocab: int = pipeline.flag(16384, "token ids the heads draft from (0: all)", least=0, steps=True)
 
 
 @dataclass
@@ -102,18 +107,27 @@ def medusa_loss(logits: Tensor, labels: Tensor) -> Tensor:
     return (pipeline.depth_weights(k).to(per_head.device) * per_head).sum()
 
 
+def in_columns(labels: Tensor, column: Tensor | None) -> Tensor:
+    """Token-id labels -> their columns of the draft vocabulary (`pipeline.draft_columns`): IGNORE
+    where they were, and for a token outside it (no draft can name it)."""
+    if column is None:
+        return labels
+    return torch.where(labels == IGNORE, IGNORE, column[labels.clamp(min=0)])
+
+
 def objective(
     heads: MedusaHeads, lm_weight: Tensor, data: Positions, settings: TrainSettings
 ) -> pipeline.Objective:
     """Training `heads` on `data` (`pipeline.train_loop` runs it): `medusa_loss`, and head 0's
     accuracy as the step's figure ("acc0"). `lm_weight` (C, V) is the target's LM head
-    (`head_weight_t()`) in the compute dtype, frozen."""
+    (`head_weight_t()`) in the compute dtype, frozen; heads with a draft vocabulary softmax over
+    its columns, as they draft."""
     device = lm_weight.device
-    lm_weight, _ = pipeline.draft_columns(lm_weight, None)  # all columns, usable by autograd
+    lm_weight, column = pipeline.draft_columns(lm_weight, heads.draft_vocab)  # usable by autograd
 
     def loss_fn(idx: Tensor) -> tuple[Tensor, float]:
         x = data.hidden[idx].to(device, torch.float32)  # (B, C)
-        y = data.labels[idx].to(device)  # (B, K)
+        y = in_columns(data.labels[idx].to(device), column)  # (B, K)
         logits = heads(x, lm_weight)  # (K, B, V)
         return medusa_loss(logits, y), pipeline.top1(logits[0], y[:, 0])
 
@@ -123,16 +137,19 @@ def objective(
 @torch.no_grad()
 def rank_counts(heads: MedusaHeads, lm_weight: Tensor, data: Positions, chunk: int = 512) -> Tensor:
     """(K, MAX_RANK + 1) counts: [k, r] positions where the right token is head k's r-th guess
-    (r < MAX_RANK), [k, MAX_RANK] where it ranks lower."""
+    (r < MAX_RANK), [k, MAX_RANK] where it ranks lower or lies outside the draft vocabulary."""
     k = heads.num_heads
     counts = torch.zeros(k, MAX_RANK + 1, dtype=torch.long)
+    lm_weight, column = pipeline.draft_columns(lm_weight, heads.draft_vocab)  # (C, V')
     for s in range(0, len(data), chunk):
         x = data.hidden[s : s + chunk].to(lm_weight.device, torch.float32)  # (B, C)
         y = data.labels[s : s + chunk].T.to(lm_weight.device)  # (K, B)
-        logits = heads(x, lm_weight)  # (K, B, V)
         valid = y != IGNORE
+        y = in_columns(y, column)
+        logits = heads(x, lm_weight)  # (K, B, V')
         right = logits.gather(-1, y.clamp(min=0)[..., None])  # (K, B, 1)
         rank = (logits > right).sum(-1).clamp(max=MAX_RANK)  # (K, B)
+        rank[y == IGNORE] = MAX_RANK  # outside the draft vocabulary: never drafted
         for head in range(k):
             counts[head] += torch.bincount(rank[head][valid[head]].cpu(), minlength=MAX_RANK + 1)
     return counts
@@ -153,6 +170,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
 
     torch.manual_seed(settings.seed)
     heads = MedusaHeads(settings.num_heads, settings.num_layers, cfg.hidden_size, cfg.vocab_size).to(device)
+    heads.draft_vocab = pipeline.draft_vocabulary(prep.train, settings.draft_vocab, cfg.vocab_size)
     lm_weight = target.head_weight_t().detach().to(target.dtype)  # (C, V), frozen
     t0 = time.perf_counter()
     task = objective(heads, lm_weight, train_set, settings)
@@ -165,12 +183,16 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         "heldout_top1": ranks.top1,
         "heldout_top5": ranks.top5,
         "heldout_positions": len(held_set),
+        "draft_vocab_heldout_coverage": round(pipeline.coverage(prep.heldout, heads.draft_vocab), 4),
         "train_positions": len(train_set),
         "train_samples": len(prep.train),
         **pipeline.run_figures(prep, settings, figures, train_s),
     }
     print(f"held-out top-1 accuracy per head: {' '.join(f'{a:.3f}' for a in ranks.top1)}")
     print(f"held-out top-5 accuracy per head: {' '.join(f'{a:.3f}' for a in ranks.top5)}")
+    size = cfg.vocab_size if heads.draft_vocab is None else heads.draft_vocab.numel()
+    share = report["draft_vocab_heldout_coverage"]
+    print(f"draft vocabulary: {size} ids, holding {share:.3f} of the held-out answer tokens")
     # τ of real decoding with the saved (float16) heads on the float32 target, as users run it.
     prompts = pipeline.ship(
         prep, settings, report, heads, save_heads, load_heads, {"heldout_tau": MedusaDrafter}
