@@ -11,12 +11,14 @@ the chi-square + total-variation check of tests/test_draft_model.py.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from specdecode.cli import build_parser, main, speculative_settings
 from specdecode.drafters.base import Proposal
@@ -29,7 +31,10 @@ from specdecode.drafters.redrafter import (
     merge_beams,
     save_head,
 )
+from specdecode.engine.drafter_factory import DrafterFactory
 from specdecode.errors import SpecDecodeError
+from specdecode.layers import dense_linears
+from specdecode.layers.linear import Dense
 from specdecode.llm import LLM
 from specdecode.models.transformer import Transformer
 from specdecode.request import Request
@@ -194,6 +199,28 @@ def test_own_lm_head_and_no_rnn_variants(target: Transformer) -> None:
         head = random_head(target, **kwargs)
         prompt = PROMPTS["mixed"]
         spec = run(target, prompt, ReDrafter(head, target, 3, 4), greedy())
+        assert spec.output_ids == run(target, prompt, None, greedy()).output_ids
+
+
+def test_the_factory_runs_the_blocks_through_the_kernels(target: Transformer, tmp_path: Path) -> None:
+    """`dense_linears` puts a `Dense` with the same weights in place of each torch Linear of a head
+    (the same features, steps and logits); the drafter factory does so before binding the
+    kernels, so a head it loads has none left, and output stays plain decoding's."""
+    c = target.config.hidden_size
+    head = random_head(target, shared_lm_head=False, exit_dim=3 * c // 2)  # a projection, its own head
+    converted = copy.deepcopy(head)
+    dense_linears(converted)
+    assert not any(isinstance(m, nn.Linear) for m in converted.modules())
+    assert sum(isinstance(m, Dense) for m in converted.modules()) == 6  # rnn 2, proj, 2 blocks, head
+    context, state, embedding = torch.randn(3, c), torch.randn(3, c), torch.randn(3, c)
+    near = {"rtol": 1e-3, "atol": 1e-3}  # the same products, summed in another order
+    torch.testing.assert_close(converted(context, state), head(context, state), **near)
+    torch.testing.assert_close(converted.step(state, embedding), head.step(state, embedding), **near)
+    save_head(head, tmp_path / "h", target="tiny", dtype=torch.float32)
+    loaded = DrafterFactory(target).head("redrafter", str(tmp_path / "h"))
+    assert not any(isinstance(m, nn.Linear) for m in loaded.modules())
+    for prompt in PROMPTS.values():
+        spec = run(target, prompt, ReDrafter(loaded, target, 3, 4), greedy())
         assert spec.output_ids == run(target, prompt, None, greedy()).output_ids
 
 

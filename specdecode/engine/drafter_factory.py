@@ -30,7 +30,7 @@ from specdecode.drafters.lookahead import LookaheadDrafter
 from specdecode.drafters.lookup_branch import LookupBranch
 from specdecode.drafters.prompt_lookup import PromptLookupDrafter
 from specdecode.errors import SpecDecodeError
-from specdecode.layers import bind_kernels, quantize_dense
+from specdecode.layers import bind_kernels, dense_linears, quantize_dense
 from specdecode.layers.lm_head import DRAFT_FORMAT
 from specdecode.models.config import ModelConfig
 from specdecode.models.gguf import QUANTIZATIONS, bits_per_weight, source_gguf
@@ -206,6 +206,7 @@ class DrafterFactory:
         def make() -> Any:
             heads = load(where, target.dtype, target.device)
             check_fits(heads, target, f"{label} {where}")
+            dense_linears(heads)  # torch's Linear blocks (Medusa's, ReDrafter's) through the kernels too
             if target.runs_stored:  # a head's bytes are read once per draft depth: a byte a weight
                 quantize_dense(heads, DRAFT_FORMAT)
             bind_kernels(heads, target.kernels)  # drafting runs a few rows at a time, as verifying
