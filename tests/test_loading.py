@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import platform
 import shutil
 import time
 import zipfile
@@ -517,3 +518,59 @@ def test_the_collector_is_paused_while_a_model_loads(tmp_path: Path, monkeypatch
     with pytest.raises(SpecDecodeError):
         llm_module.LLM(str(tmp_path / "missing.gguf"), progress=False)
     assert gc.isenabled()
+
+
+def _rss_mb() -> float:
+    return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) / 1024
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_freed_heap_pages_go_back_to_the_system() -> None:
+    """Chunks freed below glibc's mmap threshold stay resident while a live chunk above them pins
+    the heap's top; `return_freed_memory` unmaps their pages (what loading leaves behind: the
+    copies each weight is re-stored through)."""
+    import ctypes
+    import ctypes.util
+
+    from specdecode.models.memory import return_freed_memory
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    size, count = 64 * 1024, 2400  # 150 MB in chunks below the default 128 KB mmap threshold
+    chunks = [libc.malloc(size) for _ in range(count)]
+    assert all(chunks)
+    for c in chunks:
+        ctypes.memset(c, 1, size)  # resident
+    before = _rss_mb()
+    for c in chunks[:-1]:  # the last one keeps the heap's top in use: free() alone trims nothing
+        libc.free(c)
+    freed = _rss_mb()
+    try:
+        assert return_freed_memory()
+        after = _rss_mb()
+    finally:
+        libc.free(chunks[-1])
+    assert freed > before - 50  # still resident after free()
+    assert after < freed - 100  # most of the 150 MB given back
+
+
+def test_loading_gives_back_what_laying_out_the_weights_freed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each time a model's weights are laid out for its kernels (loading, and binding a model
+    to int8 activations), the freed copies are handed back afterwards."""
+    from specdecode.llm import LLM
+    from specdecode.models import transformer
+
+    calls: list[int] = []
+    monkeypatch.setattr(transformer, "return_freed_memory", lambda: bool(calls.append(1)) or True)
+    q8 = {name: "Q8_0" for name in (".attn_q.weight", ".attn_k.weight", ".attn_v.weight", ".ffn_down.weight")}
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf", width=4, formats=q8)
+    llm = LLM(str(tiny.path), progress=False)
+    assert len(calls) == 1
+    if llm.model.kernels.quant is None:
+        pytest.skip("no quantized kernels here (no C++ compiler, or SPECDECODE_CPU_ISA=off)")
+    LLM(str(tiny.path), progress=False, activations="int8")
+    assert len(calls) == 3  # loaded, then bound to int8 activations

@@ -34,6 +34,7 @@ from specdecode.layers.linear import Dense, Embedding, RMSNorm, prefill_rows
 from specdecode.layers.lm_head import DraftHead, LMHead
 from specdecode.layers.rotary import Rotary
 from specdecode.models.config import ModelConfig
+from specdecode.models.memory import return_freed_memory
 
 EMBEDDING = "model.embed_tokens.weight"  # the input embedding's Hugging Face name
 
@@ -439,3 +440,4 @@ class Transformer(nn.Module):
             self.lm_head.bind_kernels(self.kernels, pack=False)
         self.embed.bind_kernels(self.kernels)
         self.head.bind_kernels(self.kernels)
+        return_freed_memory()  # the copies the re-stored weights were made through
