@@ -532,7 +532,7 @@ def test_freed_heap_pages_go_back_to_the_system() -> None:
     import ctypes
     import ctypes.util
 
-    from specdecode.models.memory import return_freed_memory
+    from specdecode.kernels import return_freed_memory
 
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     libc.malloc.restype = ctypes.c_void_p

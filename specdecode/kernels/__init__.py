@@ -15,7 +15,8 @@ dtype or a library again. Three exist today:
 - the GPU's (`cuda.py`): PyTorch's ops with rows padded so that a row's products do not depend
   on the forward's size, a Triton row attention, and a probe of the card's bounds.
 
-Nothing outside this package calls a compiled library.
+Nothing outside this package calls a compiled library, the C library's `malloc_trim` included
+(`memory.py`: the heap's freed pages handed back once a model's weights are laid out).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from specdecode.kernels.base import (
     QuantPart,
     QuantWeight,
 )
+from specdecode.kernels.memory import return_freed_memory
 from specdecode.kernels.reference import EXACT, REFERENCE, TORCH_LINEAR, apply_rotary, dequantize, quantize
 
 __all__ = [
@@ -56,6 +58,7 @@ __all__ = [
     "apply_rotary",
     "dequantize",
     "quantize",
+    "return_freed_memory",
     "select",
 ]
 

@@ -27,14 +27,22 @@ from torch import nn
 
 from specdecode.attention import AttentionPlan, Segment, StaticPlan
 from specdecode.errors import SpecDecodeError
-from specdecode.kernels import REFERENCE, DecoderRows, Kernels, LayerWeights, QuantPart, QuantWeight, select
+from specdecode.kernels import (
+    REFERENCE,
+    DecoderRows,
+    Kernels,
+    LayerWeights,
+    QuantPart,
+    QuantWeight,
+    return_freed_memory,
+    select,
+)
 from specdecode.kv_cache import KVCache
 from specdecode.layers import bind_kernels
 from specdecode.layers.linear import Dense, Embedding, RMSNorm, prefill_rows
 from specdecode.layers.lm_head import DraftHead, LMHead
 from specdecode.layers.rotary import Rotary
 from specdecode.models.config import ModelConfig
-from specdecode.models.memory import return_freed_memory
 
 EMBEDDING = "model.embed_tokens.weight"  # the input embedding's Hugging Face name
 
