@@ -1662,88 +1662,113 @@ inline W8 word_nibbles(const uint8_t* p, int odd) {
 #endif
 }
 
-// Tiles of a unit a pass of `int8_word_rows`: both on AVX-512 (a zmm of sums each), one on AVX2
-// (two ymm each: both tiles' sums of 4 rows would take all 16 registers).
+// Whether a pass of `int8_word_rows` over a unit takes both of its tiles, so that the weights
+// stream in the order they lie and the memory keeps delivering while the rows multiply: always on
+// AVX-512 (a zmm of sums a row and tile); on AVX2 for the 32-weight formats up to 4 rows, a tile's
+// group at a time (a row's pair sums take two ymm: 4 rows' of both tiles would take all 16
+// registers), each folded into the row's outputs before the other tile's. A pass a tile reads
+// half of each block's bytes from memory and then the other half from the cache, the memory idle
+// meanwhile. In-process A/B on a Zen 3 (AVX2, no VNNI, 2 threads, every layer product of a forward
+// from memory, the same bits): Qwen 0.5B's Q4_0 at 1 / 2 / 3 / 4 rows 0.83 / 0.82 / 0.88 / 0.93-1.0x
+// the time of a pass a tile, SmolLM2's Q4_1 0.79-0.88 / 0.83-0.85 / 0.92 / 0.89-1.0x; at 5 and 6
+// rows 0.99-1.07x (kept a pass a tile); Qwen 1.5B's Q4_K 1.13-1.21x (kept: its 2.3 KB of a tile
+// a block are runs the prefetching follows).
+template <class F, int R>
+constexpr bool BOTH_TILES =
 #if defined(__AVX512F__)
-constexpr int WORD_TILES = 2;
+    true;
 #else
-constexpr int WORD_TILES = 1;
+    F::weights == 32 && R <= 4;
 #endif
 
+template <class F, int R>
+constexpr int PASS_TILES = BOTH_TILES<F, R> ? 2 : 1;
+
 // R rows of int8 x (xq: `quantize_rows<true>`; scales xd (R, K/32); float half sums xs (R, K/16)) over
-// WORD_TILES tiles from `first` of a unit of F's words.
+// PASS_TILES tiles from `pass` of a unit of F's words.
 // S: integer sums a row and tile keeps (added at the end of a group), so that one row's dot
 // products are not one chain waiting on each other's latency (a row alone took longer than two).
 // Without VNNI a group's eight pair sums an output (4 runs, even and odd: 8 x 2 x 15 x 127 < 2^15)
 // are added in int16 and widened once, as `group_dots` does.
 template <class F, int R, int S = (!VNNI ? 1 : R == 1 ? 4 : R == 2 ? 2 : 1)>
 __attribute__((noinline)) void int8_word_rows(const int8_t* xq, const float* xd, const float* xs, int64_t K,
-                                              const uint8_t* unit, int first, float* y, int64_t ldy, int valid) {
-    constexpr int groups = F::weights / 32, NT = WORD_TILES;
-    V out[R][NT];
+                                              const uint8_t* unit, int pass, float* y, int64_t ldy, int valid) {
+#if defined(__AVX512F__)
+    constexpr int NT = 2;  // tiles whose sums are live at once
+#else
+    constexpr int NT = 1;
+#endif
+    constexpr int groups = F::weights / 32, PASS = PASS_TILES<F, R>;
+    V out[R][PASS];
     for (int r = 0; r < R; ++r)
-        for (int c = 0; c < NT; ++c) out[r][c] = zero();
+        for (int c = 0; c < PASS; ++c) out[r][c] = zero();
     for (int64_t b = 0; b < K / F::weights; ++b) {
         const uint8_t* block = unit + 2 * b * F::packed;
         prefetch_ahead<F>(block, 2 * F::packed);
         for (int i = 0; i < groups; ++i) {
             const int64_t g = b * groups + i;
-            const uint8_t* q[NT];  // its words
-            for (int c = 0; c < NT; ++c) q[c] = F::group(block + (first + c) * F::packed, i).q;
-            VI acc[R][NT][S];
-            P p16[R][NT];  // without VNNI
-            for (int r = 0; r < R; ++r)
-                for (int c = 0; c < NT; ++c) {
-                    p16[r][c] = zero_p();
-                    for (int s = 0; s < S; ++s) acc[r][c][s] = zero_i();
-                }
-            // step 2 run + odd: a run's even steps (odd 0), then its odd ones; each sum a register
-            const auto steps = [&](int run, int odd, const W8 (&w)[NT]) {
-                for (int r = 0; r < R; ++r) {
-                    const X4 x = bcast4(xq + r * K + 32 * g + 8 * run + 4 * odd);
+#pragma GCC unroll 2
+            for (int t0 = 0; t0 < PASS; t0 += NT) {  // tiles pass + t0 .. pass + t0 + NT - 1
+                const int first = pass + t0;
+                const uint8_t* q[NT];  // their words
+                for (int c = 0; c < NT; ++c) q[c] = F::group(block + (first + c) * F::packed, i).q;
+                VI acc[R][NT][S];
+                P p16[R][NT];  // without VNNI
+                for (int r = 0; r < R; ++r)
                     for (int c = 0; c < NT; ++c) {
-                        if constexpr (VNNI) {
-                            acc[r][c][(2 * run + odd) % S] = dot4(acc[r][c][(2 * run + odd) % S], w[c], x);
-                        } else {
-                            p16[r][c] = add16(p16[r][c], pairs(w[c], x));
+                        p16[r][c] = zero_p();
+                        for (int s = 0; s < S; ++s) acc[r][c][s] = zero_i();
+                    }
+                // step 2 run + odd: a run's even steps (odd 0), then its odd ones; each sum a register
+                const auto steps = [&](int run, int odd, const W8 (&w)[NT]) {
+                    for (int r = 0; r < R; ++r) {
+                        const X4 x = bcast4(xq + r * K + 32 * g + 8 * run + 4 * odd);
+                        for (int c = 0; c < NT; ++c) {
+                            if constexpr (VNNI) {
+                                acc[r][c][(2 * run + odd) % S] = dot4(acc[r][c][(2 * run + odd) % S], w[c], x);
+                            } else {
+                                p16[r][c] = add16(p16[r][c], pairs(w[c], x));
+                            }
                         }
                     }
-                }
-            };
-            if constexpr (NT == 2) {  // AVX-512: a run's words read once for both (AVX2's way: 4-8% slower)
+                };
+                if constexpr (NT == 2) {  // AVX-512: a run's words read once for both
 #pragma GCC unroll 4
-                for (int run = 0; run < 4; ++run) {
-                    W8 even[NT], odd[NT];
-                    for (int c = 0; c < NT; ++c) even[c] = word_nibbles(q[c] + 64 * run, 0), odd[c] = word_nibbles(q[c] + 64 * run, 1);
-                    steps(run, 0, even);
-                    steps(run, 1, odd);
-                }
-            } else {  // AVX2: a parity at a time, fewer registers live (16 ymm)
-#pragma GCC unroll 8
-                for (int step = 0; step < 8; ++step) {
-                    W8 w[NT];
-                    for (int c = 0; c < NT; ++c) w[c] = word_nibbles(q[c] + 64 * (step / 2), step % 2);
-                    steps(step / 2, step % 2, w);
-                }
-            }
-            for (int c = 0; c < NT; ++c) {
-                const typename F::Group grp = F::group(block + (first + c) * F::packed, i);
-                for (int r = 0; r < R; ++r) {  // `apply_int8<true>`, written out: through it one row was ~4% slower
-                    const V d = set1(xd[r * (K / 32) + g]);
-                    const float x_lo = xs[r * (K / 16) + 2 * g], x_hi = xs[r * (K / 16) + 2 * g + 1];
-                    VI sum = acc[r][c][0];
-                    if constexpr (VNNI) {
-                        for (int s = 1; s < S; ++s) sum = add_i(sum, acc[r][c][s]);
-                    } else {
-                        sum = widen_add(sum, p16[r][c]);
+                    for (int run = 0; run < 4; ++run) {
+                        W8 even[NT], odd[NT];
+                        for (int c = 0; c < NT; ++c)
+                            even[c] = word_nibbles(q[c] + 64 * run, 0), odd[c] = word_nibbles(q[c] + 64 * run, 1);
+                        steps(run, 0, even);
+                        steps(run, 1, odd);
                     }
-                    out[r][c] = fma(grp.a_lo, mul(to_float(sum), d), out[r][c]);
-                    out[r][c] = fma(grp.b_lo, set1(x_lo + x_hi), out[r][c]);
+                } else {  // AVX2: a parity at a time, fewer registers live (16 ymm)
+#pragma GCC unroll 8
+                    for (int step = 0; step < 8; ++step) {
+                        W8 w[NT];
+                        for (int c = 0; c < NT; ++c) w[c] = word_nibbles(q[c] + 64 * (step / 2), step % 2);
+                        steps(step / 2, step % 2, w);
+                    }
+                }
+                for (int c = 0; c < NT; ++c) {
+                    const typename F::Group grp = F::group(block + (first + c) * F::packed, i);
+                    for (int r = 0; r < R; ++r) {  // `apply_int8<true>`, written out: through it one row was ~4% slower
+                        const V d = set1(xd[r * (K / 32) + g]);
+                        const float x_lo = xs[r * (K / 16) + 2 * g], x_hi = xs[r * (K / 16) + 2 * g + 1];
+                        VI sum = acc[r][c][0];
+                        if constexpr (VNNI) {
+                            for (int s = 1; s < S; ++s) sum = add_i(sum, acc[r][c][s]);
+                        } else {
+                            sum = widen_add(sum, p16[r][c]);
+                        }
+                        V& o = out[r][t0 + c];
+                        o = fma(grp.a_lo, mul(to_float(sum), d), o);
+                        o = fma(grp.b_lo, set1(x_lo + x_hi), o);
+                    }
                 }
             }
         }
     }
-    for (int r = 0; r < R; ++r) lanes_store<NT>(out[r], y + r * ldy + first * TILE, valid - first * TILE);
+    for (int r = 0; r < R; ++r) lanes_store<PASS>(out[r], y + r * ldy + pass * TILE, valid - pass * TILE);
 }
 
 #if !defined(__AVX512F__)
@@ -1834,7 +1859,7 @@ template <class F, int R>
 void int8_unit_rows(const int8_t* xq, const float* xd, const float* xs, int64_t K, const uint8_t* unit, float* y,
                     int64_t ldy, int valid) {
     if constexpr (INT8_WORDS<F> && F::bits == 4) {
-        for (int first = 0; first < 2; first += WORD_TILES) int8_word_rows<F, R>(xq, xd, xs, K, unit, first, y, ldy, valid);
+        for (int pass = 0; pass < 2; pass += PASS_TILES<F, R>) int8_word_rows<F, R>(xq, xd, xs, K, unit, pass, y, ldy, valid);
         return;
     }
 #if !defined(__AVX512F__)  // (INT8_WORDS6)
