@@ -1662,7 +1662,7 @@ inline W8 word_nibbles(const uint8_t* p, int odd) {
 #endif
 }
 
-// Whether a pass of `int8_word_rows` over a unit takes both of its tiles, so that the weights
+// Tiles a pass of `int8_word_rows` over a unit takes. Both, so that the weights
 // stream in the order they lie and the memory keeps delivering while the rows multiply: always on
 // AVX-512 (a zmm of sums a row and tile); on AVX2 for the 32-weight formats up to 4 rows, a tile's
 // group at a time (a row's pair sums take two ymm: 4 rows' of both tiles would take all 16
@@ -1674,15 +1674,12 @@ inline W8 word_nibbles(const uint8_t* p, int odd) {
 // rows 0.99-1.07x (kept a pass a tile); Qwen 1.5B's Q4_K 1.13-1.21x (kept: its 2.3 KB of a tile
 // a block are runs the prefetching follows).
 template <class F, int R>
-constexpr bool BOTH_TILES =
+constexpr int PASS_TILES =
 #if defined(__AVX512F__)
-    true;
+    2;
 #else
-    F::weights == 32 && R <= 4;
+    F::weights == 32 && R <= 4 ? 2 : 1;
 #endif
-
-template <class F, int R>
-constexpr int PASS_TILES = BOTH_TILES<F, R> ? 2 : 1;
 
 // R rows of int8 x (xq: `quantize_rows<true>`; scales xd (R, K/32); float half sums xs (R, K/16)) over
 // PASS_TILES tiles from `pass` of a unit of F's words.
@@ -2197,9 +2194,10 @@ double specdecode_peak_int8_ops(int threads, int64_t iters) {
         const double t = omp_get_wtime() - t0;
 #pragma omp critical
         seconds = t > seconds ? t : seconds;
+        const VI sums[] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11};
         uint8_t out[sizeof(VI)];
-        for (const VI& a : {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11}) {
-            store_i(out, a);
+        for (int c = 0; c < CHAINS; ++c) {
+            store_i(out, sums[c]);
             for (const uint8_t byte : out) sink += byte;  // every lane's (with one, the others were dropped)
         }
     }
