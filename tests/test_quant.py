@@ -158,14 +158,16 @@ def test_a_drafts_prompt_rows_in_int8(isa: str, fmt: str) -> None:
     bit for bit those of the prompt rows, one row or several; elsewhere (Q5_0, the portable build)
     they are the exact kernel's, bit for bit. Its layout may hold the quants another way than the
     exact kernel's (AVX2: words, not byte pairs or triples): a weight packed by one is laid out
-    for the other, the same values, and back to the same bytes."""
+    for the other, the same values, and back to the same bytes. (61 outputs: a unit and one
+    with a tile and 13 outputs; 768 inputs: AVX2's prompt rows take a tile's groups 16 at a
+    time, `TILE_GROUPS`, so two runs of them.)"""
     exact = quant_kernel(isa)
     assert exact is not None
     draft = exact.approximate()
     assert draft.name != exact.name and draft.layout == (
         exact.layout if isa != "avx2" else "tiles32-words4-words6"
     )
-    packed = exact.pack(random_weight(fmt, 45, 512, seed=3))  # a unit padded
+    packed = exact.pack(random_weight(fmt, 61, 768, seed=3))  # a unit padded
     weight = draft.pack(packed)
     assert draft.repacks(exact.layout) == (draft.layout != exact.layout) and exact.repacks(GGUF_LAYOUT)
     assert torch.equal(draft.dequantize(weight), exact.dequantize(packed))
@@ -173,15 +175,15 @@ def test_a_drafts_prompt_rows_in_int8(isa: str, fmt: str) -> None:
     assert all(torch.equal(a.data, b.data) for a, b in zip(back.parts, packed.parts, strict=True))
     if draft.layout != exact.layout:  # each reads its own layout only
         with pytest.raises(ValueError, match="packed by it"):
-            exact.matmul(torch.ones(1, 512), weight)
-    w = dequantize(random_weight(fmt, 45, 512, seed=3)).double()  # (in, out)
-    x = on_int8_grid(70, 512, seed=4)
+            exact.matmul(torch.ones(1, 768), weight)
+    w = dequantize(random_weight(fmt, 61, 768, seed=3)).double()  # (in, out)
+    x = on_int8_grid(140, 768, seed=4)  # past 128: Q8_0 too takes the prompt rows
     want = x.double() @ w
     pre = draft.matmul(x, weight, prefill=True)
     torch.testing.assert_close(pre.double(), want, rtol=0, atol=1e-6 * float(want.abs().max()))
     for m in (1, 5, 6, 7, 13):  # each register block size and a remainder
         assert torch.equal(draft.matmul(x[:m], weight, prefill=True), pre[:m]), m
-    noisy = torch.randn(20, 512, generator=torch.Generator().manual_seed(5))
+    noisy = torch.randn(20, 768, generator=torch.Generator().manual_seed(5))
     off = draft.matmul(noisy, weight, prefill=True).double() - noisy.double() @ w
     assert float(off.norm() / (noisy.double() @ w).norm()) < 0.02
     decoding = draft.matmul(noisy, weight)
