@@ -183,7 +183,7 @@ def test_a_drafts_prompt_rows_in_int8(isa: str, fmt: str) -> None:
     torch.testing.assert_close(pre.double(), want, rtol=0, atol=1e-6 * float(want.abs().max()))
     for m in (1, 5, 6, 7, 13):  # each register block size and a remainder
         assert torch.equal(draft.matmul(x[:m], weight, prefill=True), pre[:m]), m
-    noisy = torch.randn(20, 768, generator=torch.Generator().manual_seed(5))
+    noisy = torch.randn(70, 768, generator=torch.Generator().manual_seed(5))  # past 64: prompt rows
     off = draft.matmul(noisy, weight, prefill=True).double() - noisy.double() @ w
     assert float(off.norm() / (noisy.double() @ w).norm()) < 0.02
     decoding = draft.matmul(noisy, weight)
@@ -192,7 +192,8 @@ def test_a_drafts_prompt_rows_in_int8(isa: str, fmt: str) -> None:
         assert not torch.equal(decoding, exact.matmul(noisy, packed))
         for m in (*range(1, 10), 13):  # each pass's rows (up to 8), and several passes of them
             assert torch.equal(draft.matmul(noisy[:m], weight), decoding[:m]), m
-        assert torch.equal(torch.cat([draft.matmul(noisy[i : i + 1], weight) for i in range(20)]), decoding)
+        alone = [draft.matmul(noisy[i : i + 1], weight) for i in range(20)]
+        assert torch.equal(torch.cat(alone), decoding[:20])
     else:
         assert torch.equal(decoding, exact.matmul(noisy, packed))
 

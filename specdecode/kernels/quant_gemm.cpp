@@ -1373,9 +1373,11 @@ __attribute__((noinline)) void int8_tile_rows(const int8_t* xq, const float* xd,
 #if defined(__AVX512F__)
 constexpr int IR = 6;  // int8 rows at a time
 #elif defined(__AVX2__)
-// (Zen 5, AVX2 build, 64-256 prompt rows against one at a time: Qwen's Q4_K 8960x1536 0.72-0.75x
-// the time, its Q6_K 1536x8960 0.81x, Q8_0 0.89x with AVX-VNNI; without, 0.55-0.66x, 0.91x, ~1x;
-// 2 or 4 rows slower than 3)
+// `int8_rows` on AVX2 serves the formats whose group halves have their own scales (Q6_K, which
+// AVX2 builds read through the decoding rows at any M: `PROMPT_AS_DECODING`); the others take
+// `int8_tile_rows`. (Zen 5, AVX2 build, 64-256 prompt rows against one at a time, before the
+// tile rows: Qwen's Q4_K 8960x1536 0.72-0.75x the time, its Q6_K 1536x8960 0.81x, Q8_0 0.89x with
+// AVX-VNNI; without, 0.55-0.66x, 0.91x, ~1x; 2 or 4 rows slower than 3)
 constexpr int IR = 3;
 // `int8_tile_rows`: 3 rows at a time (4 keep their sums on the stack: 2.1x the time a group in
 // L1), over 16 groups of a tile before the next rows, so that the tile's bytes of them (12 KB)
@@ -2009,14 +2011,18 @@ void int8_decoding_product(const float* x, int64_t M, int64_t K, const uint8_t* 
 // up to 16 rows (~1.0x at 32, 1.2-1.35x at 64-256), Q6_K 0.35-0.86x to 256, Q8_0 0.62-0.97x to
 // 128; AVX-512 with VNNI, Q4_K/Q4_1 0.42-0.89x up to 32 rows (1.06-1.27x from 48), Q6_K 0.61-0.84x
 // up to 12 (1.0-1.5x from 16), Q8_0 0.56-0.93x to 256; without, 0.66-1.02x up to 8 (Q4_K/Q4_1),
-// 0.94-0.99x at 4 (Q6_K/Q8_0), slower past them.
+// 0.94-0.99x at 4 (Q6_K/Q8_0), slower past them. On Zen 3 (AVX2, no VNNI), against the tile
+// rows (`int8_tile_rows`): Q4_K (Qwen 1.5B's MLP) 0.76-0.89x at 24-64 rows, ~1.0x at 96-128;
+// Q4_1 (SmolLM2, every layer product) 0.77x at 24, 0.86x at 48, ~1.0x at 64; Q4_0 (Qwen 0.5B)
+// 0.86x at 32, 1.04x at 64.
 #if defined(__AVX512F__)
 template <class F>
 constexpr int64_t PROMPT_AS_DECODING =
     VNNI ? (F::bits == 8 ? 1 << 30 : F::bits == 6 ? 12 : 32) : F::bits == 4 ? 8 : 4;
 #elif defined(__AVX2__)
 template <class F>
-constexpr int64_t PROMPT_AS_DECODING = VNNI || F::bits == 6 ? 1 << 30 : F::bits == 8 ? 128 : 16;
+constexpr int64_t PROMPT_AS_DECODING =
+    VNNI || F::bits == 6 ? 1 << 30 : F::bits == 8 ? 128 : F::weights == 256 ? 64 : 48;
 #else
 template <class F>
 constexpr int64_t PROMPT_AS_DECODING = 0;
