@@ -1317,14 +1317,44 @@ __attribute__((noinline)) void int8_rows(const int8_t* xq, const float* xd, cons
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-// `int8_rows` for one tile (`c`) of a unit at a time, where a format's groups have one scale
-// (`uniform`): AVX2's 16 registers hold R rows' float sums and their int16 pair sums of the tile,
-// the step's quants and a broadcast of x (15 at 3 rows), where `int8_rows` over both tiles needed
-// 29 and kept a third of them on the stack, each step storing and loading them again. The integer
-// sums are the same and the floats after them the same operations in the same order: the same
-// bits.
-template <int R, int L, bool sgn>
-__attribute__((noinline)) void int8_tile_rows(const int8_t* xq, const float* xd, const float* xg, int64_t K,
+// Steps [S0, S1) of a group of one tile (q: its quant bytes) for R rows (x4: each row's group of
+// int8 x), their sums added to `sum`: `group_dots` on one tile.
+template <int R, int S0, int S1, int L, bool sgn>
+inline void tile_dots(const uint8_t* q, const int8_t* const (&x4)[R], VI (&sum)[R]) {
+    if constexpr (VNNI || sgn) {
+        for (int s = S0; s < S1; ++s) {
+            const W8 wq = load_w8(q + 64 * s);
+            for (int r = 0; r < R; ++r) {
+                const X4 x = bcast4(x4[r] + 4 * s);
+                sum[r] = sgn ? dot4s(sum[r], wq, x) : dot4(sum[r], wq, x);
+            }
+        }
+    } else {
+        for (int s0 = S0; s0 < S1; s0 += L) {
+            P p[R];
+            for (int s = s0; s < s0 + L && s < S1; ++s) {
+                const W8 wq = load_w8(q + 64 * s);
+                for (int r = 0; r < R; ++r) {
+                    const X4 x = bcast4(x4[r] + 4 * s);
+                    p[r] = s == s0 ? pairs(wq, x) : add16(p[r], pairs(wq, x));
+                }
+            }
+            for (int r = 0; r < R; ++r) sum[r] = widen_add(sum[r], p[r]);
+        }
+    }
+}
+
+// `int8_rows` for one tile (`c`) of a unit at a time: AVX2's 16 registers hold R rows' float
+// sums and their integer sums of the tile, the step's quants and a broadcast of x (15 at 3 rows
+// of a format whose groups have one scale, `uniform`), where `int8_rows` over both tiles needed 29
+// and kept a third of them on the stack, each step storing and loading them again. Q6_K's halves
+// (their own scales) are summed one after the other, the lo half's applied before the hi half's
+// are taken (`apply_int8`'s float operations in its order), in 6R + 3 registers. The integer sums
+// are the same and the floats after them the same operations in the same order: the same bits.
+// Groups [g0, g1) of the tile: the float sums start from `part` (R, TILE) past the first group and
+// end there before the last.
+template <int R, bool uniform, int L, bool sgn>
+__attribute__((noinline)) void int8_tile_rows(const int8_t* xq, const float* xd, const float* xs, int64_t K,
                                               const uint8_t* w, int c, int64_t g0, int64_t g1, float* part,
                                               float* y, int64_t ldy, int valid) {
     V out[R];
@@ -1334,33 +1364,33 @@ __attribute__((noinline)) void int8_tile_rows(const int8_t* xq, const float* xd,
         const uint8_t* q = tile + 64 * 4;
         const int8_t* x4[R];
         for (int r = 0; r < R; ++r) x4[r] = xq + r * K + 32 * g;
-        VI sum[R];
-        for (int r = 0; r < R; ++r) sum[r] = zero_i();
-        if constexpr (VNNI || sgn) {
-            for (int s = 0; s < 8; ++s) {
-                const W8 wq = load_w8(q + 64 * s);
-                for (int r = 0; r < R; ++r) {
-                    const X4 x = bcast4(x4[r] + 4 * s);
-                    sum[r] = sgn ? dot4s(sum[r], wq, x) : dot4(sum[r], wq, x);
+        const float* f = reinterpret_cast<const float*>(tile);
+        if constexpr (uniform) {  // xs: the groups' sums of x (R, K/32)
+            VI sum[R];
+            for (int r = 0; r < R; ++r) sum[r] = zero_i();
+            tile_dots<R, 0, 8, L, sgn>(q, x4, sum);
+            const lanes_group sc = {loadv(f), loadv(f + TILE), loadv(f + 2 * TILE), loadv(f + 3 * TILE), nullptr};
+            for (int r = 0; r < R; ++r)
+                out[r] = apply_int8_uniform(sc, sum[r], xd[r * (K / 32) + g], xs[r * (K / 32) + g], out[r]);
+        } else {  // xs: the half groups' sums of x (R, K/16)
+            for (int h = 0; h < 2; ++h) {
+                VI sum[R];
+                for (int r = 0; r < R; ++r) sum[r] = zero_i();
+                if (h == 0) {
+                    tile_dots<R, 0, 4, L, sgn>(q, x4, sum);
+                } else {
+                    tile_dots<R, 4, 8, L, sgn>(q, x4, sum);
                 }
-            }
-        } else {
-            for (int s0 = 0; s0 < 8; s0 += L) {
-                P p[R];
-                for (int s = s0; s < s0 + L && s < 8; ++s) {
-                    const W8 wq = load_w8(q + 64 * s);
-                    for (int r = 0; r < R; ++r) {
-                        const X4 x = bcast4(x4[r] + 4 * s);
-                        p[r] = s == s0 ? pairs(wq, x) : add16(p[r], pairs(wq, x));
+                const V a = loadv(f + h * TILE);
+                for (int r = 0; r < R; ++r) {
+                    out[r] = fma(a, mul(to_float(sum[r]), set1(xd[r * (K / 32) + g])), out[r]);
+                    if (h == 1) {
+                        out[r] = fma(loadv(f + 2 * TILE), set1(xs[r * (K / 16) + 2 * g]), out[r]);
+                        out[r] = fma(loadv(f + 3 * TILE), set1(xs[r * (K / 16) + 2 * g + 1]), out[r]);
                     }
                 }
-                for (int r = 0; r < R; ++r) sum[r] = widen_add(sum[r], p[r]);
             }
         }
-        const float* f = reinterpret_cast<const float*>(tile);
-        const lanes_group sc = {loadv(f), loadv(f + TILE), loadv(f + 2 * TILE), loadv(f + 3 * TILE), nullptr};
-        for (int r = 0; r < R; ++r)
-            out[r] = apply_int8_uniform(sc, sum[r], xd[r * (K / 32) + g], xg[r * (K / 32) + g], out[r]);
     }
     if (g1 < K / 32) {
         for (int r = 0; r < R; ++r) storev(part + r * TILE, out[r]);
@@ -1373,17 +1403,15 @@ __attribute__((noinline)) void int8_tile_rows(const int8_t* xq, const float* xd,
 #if defined(__AVX512F__)
 constexpr int IR = 6;  // int8 rows at a time
 #elif defined(__AVX2__)
-// `int8_rows` on AVX2 serves the formats whose group halves have their own scales (Q6_K, which
-// AVX2 builds read through the decoding rows at any M: `PROMPT_AS_DECODING`); the others take
-// `int8_tile_rows`. (Zen 5, AVX2 build, 64-256 prompt rows against one at a time, before the
-// tile rows: Qwen's Q4_K 8960x1536 0.72-0.75x the time, its Q6_K 1536x8960 0.81x, Q8_0 0.89x with
-// AVX-VNNI; without, 0.55-0.66x, 0.91x, ~1x; 2 or 4 rows slower than 3)
-constexpr int IR = 3;
-// `int8_tile_rows`: 3 rows at a time (4 keep their sums on the stack: 2.1x the time a group in
-// L1), over 16 groups of a tile before the next rows, so that the tile's bytes of them (12 KB)
-// stay in L1 for all the rows, not read again from L2 for each 3 (K = 8960, the rows of one unit
-// from L2 before: Qwen 1.5B's Q4_K down projection ~1.18x the throughput; 4 groups ~0.85x of 16,
-// 8 or 32 within the noise).
+// AVX2 builds take the prompt rows through `int8_tile_rows`, not `int8_rows`. (Zen 5, `int8_rows`
+// of the AVX2 build, 64-256 prompt rows against one at a time: Qwen's Q4_K 8960x1536 0.72-0.75x
+// the time, its Q6_K 1536x8960 0.81x, Q8_0 0.89x with AVX-VNNI; without, 0.55-0.66x, 0.91x, ~1x;
+// 2 or 4 rows slower than 3.) `int8_tile_rows` on Zen 3: 3 rows at a time (4 keep their sums on
+// the stack: 2.1x the time a group in L1; Q6_K at 2, in 15 registers, ~0.9x the throughput of 3,
+// which spill a few), over 16 groups of a tile before the next rows, so that the tile's bytes of
+// them (12 KB) stay in L1 for all the rows, not read again from L2 for each 3 (K = 8960, the rows
+// of one unit from L2 before: Qwen 1.5B's Q4_K down projection ~1.18x the throughput; 4 groups
+// ~0.85x of 16, 8 or 32 within the noise).
 constexpr int TILE_IR = 3;
 constexpr int64_t TILE_GROUPS = 16;
 #else
@@ -1405,7 +1433,9 @@ void int8_prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w
 #pragma omp parallel num_threads(threads)
     {
         std::vector<uint8_t> scratch(size_t(K / 32 * 2 * I8_TILE));
-        std::vector<float> part(F::uniform ? size_t(M * TILE) : 0);
+#if defined(__AVX2__) && !defined(__AVX512F__)
+        std::vector<float> part(size_t(M * TILE));  // `int8_tile_rows`' float sums between runs
+#endif
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         {  // each thread rounds its share of the rows (the same groups, each on its own)
             const int64_t r0 = M * t / nt, r1 = M * (t + 1) / nt;
@@ -1420,22 +1450,20 @@ void int8_prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w
             const int valid = int(N - n0 < UNIT ? N - n0 : UNIT);
             bytes_unit<F>(w + u * unit_bytes, K, scratch.data());
 #if defined(__AVX2__) && !defined(__AVX512F__)
-            if constexpr (F::uniform) {
-                for (int c = 0; c * TILE < valid; ++c) {
-                    for (int64_t g0 = 0; g0 < K / 32; g0 += TILE_GROUPS) {
-                        const int64_t g1 = std::min(K / 32, g0 + TILE_GROUPS);
-                        int64_t r0 = 0;
-                        by_rows<TILE_IR>(M, [&]<int R>() {
-                            int8_tile_rows<R, L, sgn>(xq.get() + r0 * K, xd.get() + r0 * (K / 32),
-                                                      xg.get() + r0 * (K / 32), K, scratch.data(), c, g0, g1,
-                                                      part.data() + r0 * TILE, y + r0 * ldy + n0, ldy, valid);
-                            r0 += R;
-                        });
-                    }
+            for (int c = 0; c * TILE < valid; ++c) {
+                for (int64_t g0 = 0; g0 < K / 32; g0 += TILE_GROUPS) {
+                    const int64_t g1 = std::min(K / 32, g0 + TILE_GROUPS);
+                    int64_t r0 = 0;
+                    by_rows<TILE_IR>(M, [&]<int R>() {
+                        const float* sums = F::uniform ? xg.get() + r0 * (K / 32) : xs.get() + r0 * (K / 16);
+                        int8_tile_rows<R, F::uniform, L, sgn>(xq.get() + r0 * K, xd.get() + r0 * (K / 32), sums, K,
+                                                              scratch.data(), c, g0, g1, part.data() + r0 * TILE,
+                                                              y + r0 * ldy + n0, ldy, valid);
+                        r0 += R;
+                    });
                 }
-                continue;
             }
-#endif
+#else
             int64_t r0 = 0;
             by_rows<IR>(M, [&]<int R>() {
                 const float* sums = F::uniform ? xg.get() + r0 * (K / 32) : xs.get() + r0 * (K / 16);
@@ -1443,6 +1471,7 @@ void int8_prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w
                                             scratch.data(), y + r0 * ldy + n0, ldy, valid);
                 r0 += R;
             });
+#endif
         }
     }
 }
@@ -2014,7 +2043,8 @@ void int8_decoding_product(const float* x, int64_t M, int64_t K, const uint8_t* 
 // 0.94-0.99x at 4 (Q6_K/Q8_0), slower past them. On Zen 3 (AVX2, no VNNI), against the tile
 // rows (`int8_tile_rows`): Q4_K (Qwen 1.5B's MLP) 0.76-0.89x at 24-64 rows, ~1.0x at 96-128;
 // Q4_1 (SmolLM2, every layer product) 0.77x at 24, 0.86x at 48, ~1.0x at 64; Q4_0 (Qwen 0.5B)
-// 0.86x at 32, 1.04x at 64.
+// 0.86x at 32, 1.04x at 64; Q6_K (Qwen 1.5B's down projection, from L3) 0.90x at 24, ~1.0x at
+// 32-40, 1.04-1.09x at 48, 1.24-1.40x at 128-256.
 #if defined(__AVX512F__)
 template <class F>
 constexpr int64_t PROMPT_AS_DECODING =
@@ -2022,7 +2052,7 @@ constexpr int64_t PROMPT_AS_DECODING =
 #elif defined(__AVX2__)
 template <class F>
 constexpr int64_t PROMPT_AS_DECODING =
-    VNNI || F::bits == 6 ? 1 << 30 : F::bits == 8 ? 128 : F::weights == 256 ? 64 : 48;
+    VNNI ? 1 << 30 : F::bits == 8 ? 128 : F::bits == 6 ? 32 : F::weights == 256 ? 64 : 48;
 #else
 template <class F>
 constexpr int64_t PROMPT_AS_DECODING = 0;
