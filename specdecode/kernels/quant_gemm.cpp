@@ -1489,8 +1489,9 @@ void int8_prefill_product(const float* x, int64_t M, int64_t K, const uint8_t* w
 // time of the byte pairs' quads at 1-4 rows). On AVX2 the int8 layout holds them in words too
 // (`INT8_WORDS4`); weights in byte pairs take the float decoding rows. Q6_K's go through
 // `int8_q6_rows`, Q8_0's through `int8_q8_rows`.
-// The integer sums are those of `int8_rows` and the floats after them the same operations in the
-// same order: the same bits as the int8 prefill rows, in any batch, on AVX-512 and AVX2. Q5_0 and
+// The integer sums are those of the prompt rows (`int8_rows`; on AVX2 `int8_tile_rows`) and the
+// floats after them the same operations in the same order: the same bits as the int8 prefill
+// rows, in any batch, on AVX-512 and AVX2. Q5_0 and
 // the portable build take the float decoding rows.
 template <class F>
 constexpr bool INT8_WORDS = F::words;  // Q4_0, Q4_1, Q4_K in words; AVX2's int8 layout, Q6_K too
@@ -2034,7 +2035,7 @@ void int8_decoding_product(const float* x, int64_t M, int64_t K, const uint8_t* 
 // Up to how many prompt rows in int8 take the decoding rows above instead of `int8_prefill_product`:
 // the same bits (the same integer sums, and the floats after them in the same order), in less
 // time where a unit's quants decoded once per pass of rows cost less than laying the unit out in
-// bytes for `int8_rows`. From in-process A/B on Zen 5 (2 threads, Qwen 1.5B's Q4_K and Q6_K MLP
+// bytes for the prompt rows (`int8_rows`; on AVX2 `int8_tile_rows`). From in-process A/B on Zen 5 (2 threads, Qwen 1.5B's Q4_K and Q6_K MLP
 // matrices and SmolLM2's Q4_1 MLP and Q8_0 head from memory, the decoding rows' time over the
 // prefill rows'): AVX2 with VNNI 0.28-0.92x at every M from 4 to 512; without, Q4_K/Q4_1 0.44-0.89x
 // up to 16 rows (~1.0x at 32, 1.2-1.35x at 64-256), Q6_K 0.35-0.86x to 256, Q8_0 0.62-0.97x to
